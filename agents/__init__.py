@@ -1,0 +1,1 @@
+"""Retrieval, question answering with citations and hypothesis proposal (built on kb)."""

@@ -1,0 +1,1 @@
+"""Ingesters: one source format per module, chosen by `ingest.detect`."""

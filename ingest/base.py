@@ -1,0 +1,58 @@
+"""What an ingester is: a name, a detector and a reader that yields validated records.
+
+Ingesters never touch the store. They turn a source (a file, a folder, a tracking
+URI) into native records; `kb.api.KnowledgeBase.ingest` writes them, one
+transaction per run, so every source shares one tested write path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol, Union
+
+from kb.errors import InvalidRecord
+from kb.records import NoteRecord, RunRecord
+
+
+@dataclass
+class Parsed:
+    record: Union[RunRecord, NoteRecord]
+    source_kind: str
+    source_uri: str
+    line: int | None = None
+
+
+@dataclass
+class Rejected:
+    error: InvalidRecord          # carries source, line, field
+
+
+Item = Union[Parsed, Rejected]
+
+
+class Ingester(Protocol):
+    name: str
+
+    def detect(self, target: str) -> int:
+        """How sure this ingester is that it reads `target` (a path or a URI): 0 (no) to 100."""
+
+    def read(self, target: str) -> Iterator[Item]:
+        """Every record in `target`; a bad record is a Rejected, never an exception.
+
+        Heavy client libraries (mlflow, tensorboard, ...) are imported here, not at module
+        import, so `kb --help` and `kb runs` stay fast."""
+
+
+INGESTERS: dict[str, Ingester] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        cls.name = name
+        INGESTERS[name] = cls()
+        return cls
+    return deco
+
+
+def rejected(source: Path | str, error: str, *, line: int | None = None, field: str = "") -> Rejected:
+    return Rejected(InvalidRecord(error, source=str(source), line=line, field=field))

@@ -1,0 +1,37 @@
+"""Domain errors. Library code raises these; the CLI, REST server and UI translate them."""
+
+
+class KBError(Exception):
+    """Base of every error pretrain-kb raises on purpose."""
+
+
+class InvalidRecord(KBError):
+    """A record failed validation. Names the source, line and field so a person can fix it."""
+
+    def __init__(self, error: str, *, source: str = "", line: int | None = None, field: str = ""):
+        self.source, self.line, self.field, self.error = source, line, field, error
+        where = source + (f":{line}" if line else "")
+        super().__init__(f"{where}: {field + ': ' if field else ''}{error}" if where else
+                         f"{field + ': ' if field else ''}{error}")
+
+    def at(self, source: str, line: int | None = None) -> "InvalidRecord":
+        return InvalidRecord(self.error, source=source, line=line or self.line, field=self.field)
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "line": self.line, "field": self.field, "error": self.error}
+
+
+class QueryError(KBError):
+    """A --where or --sort expression that does not parse or names an unknown key."""
+
+
+class NotFound(KBError):
+    """No record with that id."""
+
+
+class IndexBusy(KBError):
+    """The embedded vector index is held by another process (usually `kb serve`)."""
+
+
+class UnknownFormat(KBError):
+    """No ingester recognises a path, or several do."""

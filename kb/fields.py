@@ -1,0 +1,77 @@
+"""Dotted keys: the one spelling of a path into a run, shared by the writer and the query compiler.
+
+A run's queryable leaves live under namespaces (`config`, `summary`, `scale`, `stats`,
+`anomalies`, `failure`, `tags`). A segment is written bare when it is a plain word
+(`config.optim.lr`, `summary.train/loss`) and double-quoted otherwise
+(`summary."val loss"`), so every path has exactly one canonical key.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Iterator
+
+NAMESPACES = ("config", "summary", "scale", "stats", "anomalies", "failure", "tags")
+BARE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_/\-]*\Z")
+
+
+def quote(segment: str) -> str:
+    if BARE.match(segment):
+        return segment
+    return '"' + segment.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def canonical(path: list[str] | tuple[str, ...]) -> str:
+    return ".".join(quote(str(s)) for s in path)
+
+
+def typed(value: Any) -> tuple[str, float | None, str | None]:
+    """(vtype, num, text) as stored in RunField; NaN and inf are kept as text, not numbers."""
+    if value is None:
+        return "z", None, None
+    if isinstance(value, bool):
+        return "b", float(value), None
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return "s", None, repr(value)
+        return "n", float(value), None
+    if isinstance(value, str):
+        return "s", None, value
+    raise TypeError(f"not a leaf: {type(value).__name__}")
+
+
+def leaves(value: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every leaf under value with its path; list items are addressed by index."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from leaves(v, prefix + (str(k),))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from leaves(v, prefix + (str(i),))
+    else:
+        yield prefix, value
+
+
+def lookup(root: Any, path: list[str] | tuple[str, ...]) -> tuple[bool, Any]:
+    """(found, value) for a path; the reference the SQL compiler is tested against."""
+    node = root
+    for seg in path:
+        if isinstance(node, dict) and seg in node:
+            node = node[seg]
+        elif isinstance(node, list) and seg.isdigit() and int(seg) < len(node):
+            node = node[int(seg)]
+        else:
+            return False, None
+    return True, node
+
+
+def field_rows(run_id: str, namespaces: dict[str, Any]) -> list[dict]:
+    """RunField rows for every leaf under each namespace (`{"config": {...}, "summary": {...}}`)."""
+    rows = []
+    for ns, value in namespaces.items():
+        for path, leaf in leaves(value, (ns,)):
+            if len(path) == 1:
+                continue                      # an empty namespace has no leaves
+            vtype, num, text = typed(leaf)
+            rows.append({"run_id": run_id, "key": canonical(path), "vtype": vtype, "num": num, "text": text})
+    return rows

@@ -1,0 +1,15 @@
+"""Alembic environment: runs on the connection kb.db hands it (no alembic.ini, no URL lookup)."""
+from alembic import context
+from sqlmodel import SQLModel
+
+import kb.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+
+connection = context.config.attributes["connection"]
+context.configure(
+    connection=connection,
+    target_metadata=SQLModel.metadata,
+    render_as_batch=connection.dialect.name == "sqlite",   # SQLite alters tables by copy
+    compare_type=True,
+)
+with context.begin_transaction():
+    context.run_migrations()

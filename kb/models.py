@@ -1,0 +1,154 @@
+"""Every table. SQL is the source of truth; the vector index is derived from these rows.
+
+Runs keep hyperparameters as JSON plus promoted, indexed columns for what people
+filter on; every leaf of config/summary/scale is also flattened into `RunField`,
+typed, so `--where` queries on any dotted key use an index on both SQLite and Postgres.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, BigInteger, Column, Float, Index, Text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlmodel import Field, SQLModel
+
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def json_col(**kw) -> Column:
+    return Column(JSONType, **kw)
+
+
+class Provenance(SQLModel):
+    """Where a record came from; re-ingesting the same content (same hash) changes nothing."""
+    source_kind: str = Field(default="native", index=True)
+    source_uri: str = ""
+    ingested_at: datetime = Field(default_factory=utcnow)
+    content_hash: str = ""
+
+
+class Run(Provenance, table=True):
+    id: str = Field(primary_key=True)
+    project: str = Field(default="default", index=True)
+    name: str = ""
+    status: str = Field(default="completed", index=True)
+    config: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    scale: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    summary: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    stats: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))  # per-curve: final, best, ...
+    tags: list = Field(default_factory=list, sa_column=json_col(nullable=False))
+    notes: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    parent: str | None = Field(default=None, index=True)
+    hypothesis_id: str | None = Field(default=None, index=True)
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    code: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    meta: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    # promoted from config/scale for filtering and sorting
+    lr: float | None = Field(default=None, sa_column=Column(Float, index=True))
+    batch_size: int | None = Field(default=None, sa_column=Column(BigInteger, index=True))
+    params: int | None = Field(default=None, sa_column=Column(BigInteger, index=True))
+    tokens: int | None = Field(default=None, sa_column=Column(BigInteger, index=True))
+    flops: float | None = Field(default=None, sa_column=Column(Float, index=True))
+    card: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+
+
+class RunField(SQLModel, table=True):
+    """One typed leaf of a run's config, summary or scale, keyed by its canonical dotted path."""
+    __table_args__ = (
+        Index("ix_runfield_key_num", "key", "vtype", "num"),
+        Index("ix_runfield_key_text", "key", "vtype", "text"),
+    )
+    run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
+    key: str = Field(primary_key=True)
+    vtype: str = Field(max_length=1)          # n number, s string, b bool, z null, l list/dict
+    num: float | None = Field(default=None, sa_column=Column(Float))
+    text: str | None = Field(default=None, sa_column=Column(Text))
+
+
+class MetricPoint(SQLModel, table=True):
+    __table_args__ = (Index("ix_metricpoint_run_key_step", "run_id", "key", "step"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", ondelete="CASCADE")
+    key: str
+    step: int = Field(sa_column=Column(BigInteger, nullable=False))
+    value: float | None = Field(default=None, sa_column=Column(Float))   # NULL is NaN
+    wall_time: float | None = Field(default=None, sa_column=Column(Float))
+
+
+class Failure(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True, ondelete="CASCADE")
+    kind: str = Field(index=True)
+    step: int | None = Field(default=None, sa_column=Column(BigInteger))
+    message: str = ""
+    evidence: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    origin: str = "reported"                 # reported | log | curve
+
+
+class Anomaly(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True, ondelete="CASCADE")
+    kind: str = Field(index=True)            # loss_spike | divergence | plateau | grad_spike
+    key: str = ""
+    step: int | None = Field(default=None, sa_column=Column(BigInteger))
+    value: float | None = Field(default=None, sa_column=Column(Float))
+    score: float | None = Field(default=None, sa_column=Column(Float))
+    evidence: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+
+
+class Ablation(Provenance, table=True):
+    id: str = Field(primary_key=True)
+    project: str = Field(index=True)
+    factor: str = Field(index=True)
+    metric: str = ""
+    baseline_run: str = Field(foreign_key="run.id", ondelete="CASCADE")
+    variants: list = Field(default_factory=list, sa_column=json_col(nullable=False))
+    effect: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+
+
+class Note(Provenance, table=True):
+    id: str = Field(primary_key=True)
+    project: str = Field(default="default", index=True)
+    title: str = ""
+    text: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    chunk: int = 0
+    mentions: list = Field(default_factory=list, sa_column=json_col(nullable=False))
+
+
+class Hypothesis(SQLModel, table=True):
+    id: str = Field(primary_key=True)
+    title: str = ""
+    rationale: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    baseline_run: str | None = None
+    change: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    evidence: list = Field(default_factory=list, sa_column=json_col(nullable=False))
+    predicted: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    risks: list = Field(default_factory=list, sa_column=json_col(nullable=False))
+    status: str = Field(default="proposed", index=True)
+    result: dict | None = Field(default=None, sa_column=json_col(nullable=True))
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class Job(SQLModel, table=True):
+    id: str = Field(primary_key=True)
+    hypothesis_id: str | None = Field(default=None, index=True)
+    status: str = Field(default="queued", index=True)
+    backend: str = "local"
+    attempts: int = 0
+    run_id: str | None = None
+    error: str | None = None
+    spec: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+
+
+class IndexPending(SQLModel, table=True):
+    """What awaits (re)indexing: writers record it, the process holding the index drains it."""
+    kind: str = Field(primary_key=True)      # run | note | ablation
+    ref_id: str = Field(primary_key=True)
+    queued_at: datetime = Field(default_factory=utcnow)

@@ -1,0 +1,195 @@
+"""The native run record (the contract's JSON shape), validated, with errors that name the field.
+
+Every ingester produces these; so do the post-run hooks and the runner's write-back,
+which is why one validation path guards the whole store.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from kb.errors import InvalidRecord
+
+Status = Literal["completed", "failed", "diverged", "running", "killed"]
+FailureKind = Literal["diverged", "loss_spike", "oom", "nccl_timeout", "hardware", "killed",
+                      "exception", "plateau", "timeout", "other"]
+INT64 = 2**63 - 1
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+
+class FailureIn(Strict):
+    kind: FailureKind
+    step: int | None = None
+    message: str = ""
+    evidence: str | list[str] = ""
+
+    @field_validator("step")
+    @classmethod
+    def _step_in_range(cls, v):
+        return _check_int(v)
+
+
+class Scale(Strict):
+    params: int | None = None
+    tokens: int | None = None
+    flops: float | None = None
+    gpus: int | None = None
+    gpu_hours: float | None = None
+
+    @field_validator("params", "tokens", "gpus")
+    @classmethod
+    def _ints(cls, v):
+        return _check_int(v)
+
+    @field_validator("flops", "gpu_hours")
+    @classmethod
+    def _finite(cls, v):
+        if v is not None and not math.isfinite(v):
+            raise ValueError("number is not finite")
+        return v
+
+
+class Code(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    git_commit: str | None = None
+    entrypoint: str | None = None
+    argv: list[str] | None = None
+    host: str | None = None
+
+
+Point = tuple[int, float | None] | tuple[int, float | None, float | None]
+
+
+class RunRecord(Strict):
+    id: str | None = None
+    project: str = "default"
+    name: str | None = None
+    status: Status = "completed"
+    config: dict[str, Any] = {}
+    scale: Scale = Scale()
+    metrics: dict[str, list[Point]] = {}
+    summary: dict[str, Any] = {}
+    tags: list[str] = []
+    notes: str = ""
+    failure: FailureIn | None = None
+    parent: str | None = None
+    hypothesis: str | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    code: Code | None = None
+    meta: dict[str, Any] = {}     # source-specific facts kept verbatim (an MLflow run uuid, checkpoints)
+
+    @field_validator("id", "project", "name")
+    @classmethod
+    def _non_empty(cls, v):
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("config", "summary", "meta")
+    @classmethod
+    def _json_values(cls, v, info):
+        _check_json(v, info.field_name)
+        return v
+
+    @field_validator("metrics")
+    @classmethod
+    def _steps(cls, v):
+        for key, points in v.items():
+            if not key:
+                raise ValueError("metric name must not be empty")
+            for i, p in enumerate(points):
+                if p[0] < 0 or p[0] > INT64:
+                    raise ValueError(f"{key}[{i}]: step {p[0]} out of range")
+        return v
+
+    @field_validator("started_at", "ended_at")
+    @classmethod
+    def _utc(cls, v):
+        if v is not None and v.tzinfo is not None:
+            v = v.astimezone(timezone.utc).replace(tzinfo=None)
+        return v
+
+    @model_validator(mode="after")
+    def _needs_content(self):
+        if not self.config and not self.metrics:
+            raise ValueError("a run needs `config` or `metrics`")
+        return self
+
+
+def _check_int(v):
+    if v is not None and not -INT64 - 1 <= v <= INT64:
+        raise ValueError(f"number {v} does not fit in 64 bits")
+    return v
+
+
+def _check_json(value: Any, path: str) -> None:
+    """Numbers in config/summary must be finite and fit in 64 bits: SQL and JSONB can hold them."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{path}: keys must be strings")
+            _check_json(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, f"{path}.{i}")
+    elif isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    elif isinstance(value, int):
+        if not -INT64 - 1 <= value <= INT64:
+            raise ValueError(f"{path}: number {value} does not fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path}: number is not finite")
+    else:
+        raise ValueError(f"{path}: {type(value).__name__} is not a JSON value")
+
+
+def parse_run(data: Any) -> RunRecord:
+    """Validate one native record; raises InvalidRecord naming the first offending field."""
+    if not isinstance(data, dict):
+        raise InvalidRecord(f"a run record is a JSON object, got {type(data).__name__}")
+    try:
+        return RunRecord.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        # drop pydantic's union-branch labels ("tuple[int, ...]") from the location
+        loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and "[" in p))
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        # a nested validator names its own path ("config.optim.lr: ..."): prefer it
+        if ": " in msg and msg.split(": ", 1)[0].startswith(loc.split(".")[0] + "."):
+            loc, msg = msg.split(": ", 1)
+        raise InvalidRecord(msg, field=loc) from None
+
+
+def content_hash(record: RunRecord, source_kind: str) -> str:
+    body = record.model_dump(mode="json", exclude_none=True)
+    blob = json.dumps([source_kind, body], sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class NoteRecord(Strict):
+    """Free text: a postmortem, design doc or review note (one chunk of one, for long documents)."""
+    id: str | None = None
+    project: str = "default"
+    title: str = ""
+    text: str
+    chunk: int = 0
+    mentions: list[str] = []      # run ids or names the text refers to; resolved on write
+
+
+def note_hash(note: NoteRecord, source_kind: str) -> str:
+    blob = json.dumps([source_kind, note.model_dump(mode="json")], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()

