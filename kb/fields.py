@@ -58,7 +58,7 @@ def lookup(root: Any, path: list[str] | tuple[str, ...]) -> tuple[bool, Any]:
     for seg in path:
         if isinstance(node, dict) and seg in node:
             node = node[seg]
-        elif isinstance(node, list) and seg.isdigit() and int(seg) < len(node):
+        elif isinstance(node, list) and seg.isascii() and seg.isdigit() and seg == str(int(seg)) and int(seg) < len(node):
             node = node[int(seg)]
         else:
             return False, None

@@ -114,9 +114,10 @@ class RunRecord(Strict):
     @field_validator("started_at", "ended_at")
     @classmethod
     def _utc(cls, v):
-        if v is not None and v.tzinfo is not None:
-            v = v.astimezone(timezone.utc).replace(tzinfo=None)
-        return v
+        """Times are stored in UTC; a time written without a zone is taken to be UTC already."""
+        if v is None:
+            return v
+        return v.replace(tzinfo=timezone.utc) if v.tzinfo is None else v.astimezone(timezone.utc)
 
     @model_validator(mode="after")
     def _needs_content(self):

@@ -50,3 +50,18 @@ def engine(database_url):
     migrate(eng)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture
+def settings(tmp_path, database_url):
+    from kb.settings import Settings
+    return Settings(home=tmp_path / "home", database_url=database_url)
+
+
+@pytest.fixture
+def kb(settings):
+    """A KnowledgeBase on a fresh real database, with an embedded index under tmp_path."""
+    from kb.api import KnowledgeBase
+    k = KnowledgeBase.open(settings)
+    yield k
+    k.close()

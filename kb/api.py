@@ -1,0 +1,215 @@
+"""The Python API: `KnowledgeBase.open()`, then ingest, query and read runs.
+
+Opening is cheap (SQL only, schema upgraded if behind). The vector index and the
+embedding model are opened the first time something needs them, so `kb runs` never
+pays for them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlmodel import Session
+
+from kb.db import make_engine, migrate
+from kb.errors import IndexBusy, InvalidRecord, KBError, NotFound
+from kb.models import IndexPending, Note, Run
+from kb.records import NoteRecord
+from kb.runs import RunDetail, RunView, read_detail, write_run
+from kb.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IngestReport:
+    added: int = 0
+    updated: int = 0
+    unchanged: int = 0
+    failed: list[dict] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    pending_index: int = 0
+
+    def as_dict(self) -> dict:
+        return {"added": self.added, "updated": self.updated, "unchanged": self.unchanged,
+                "failed": self.failed}
+
+
+class KnowledgeBase:
+    def __init__(self, settings: Settings, engine):
+        self.settings = settings
+        self.engine = engine
+        self._index = None
+        self._embedder = None
+
+    @classmethod
+    def open(cls, settings: Settings | None = None, **overrides) -> "KnowledgeBase":
+        settings = settings or Settings(**overrides)
+        if not settings.database_url or not settings.qdrant_url:
+            settings.home.mkdir(parents=True, exist_ok=True)
+        engine = make_engine(settings.sql_url)
+        migrate(engine, lock_path=settings.home / ".migrate.lock")
+        return cls(settings, engine)
+
+    def close(self) -> None:
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        self.engine.dispose()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def ingest(self, *targets: str, format: str | None = None, project: str | None = None,
+               index: bool = True, progress: Callable[[str, int], None] | None = None) -> IngestReport:
+        """Read every target with its ingester and store each record in its own transaction.
+
+        A bad record is reported and skipped; the others still go in. With `index`, the
+        vectors are brought up to date afterwards unless another process holds the index.
+        """
+        from ingest.base import Parsed
+        from ingest.detect import resolve
+
+        report = IngestReport()
+        for target in targets:
+            for source, ingester in resolve(str(target), format):
+                for item in ingester.read(source):
+                    if isinstance(item, Parsed):
+                        self._store(item, project, report)
+                    else:
+                        report.failed.append(item.error.as_dict())
+                    if progress:
+                        progress(source, report.added + report.updated + report.unchanged + len(report.failed))
+        if index and (report.added or report.updated):
+            try:
+                self.sync_index()
+            except IndexBusy:
+                log.info("vector index held by another process; it will index what is pending")
+        report.pending_index = self.pending_index()
+        return report
+
+    def ingest_records(self, records: Iterable[dict], *, source: str = "api", index: bool = True) -> IngestReport:
+        """Native records given as dicts (the REST API, hooks and the runner write through this)."""
+        from ingest.base import Parsed
+        from kb.records import parse_run
+
+        report = IngestReport()
+        for i, data in enumerate(records, start=1):
+            try:
+                record = parse_run(data)
+            except InvalidRecord as exc:
+                report.failed.append(exc.at(source, i).as_dict())
+                continue
+            self._store(Parsed(record, "native", source, i), None, report)
+        if index and (report.added or report.updated):
+            try:
+                self.sync_index()
+            except IndexBusy:
+                pass
+        return report
+
+    def _store(self, item, project: str | None, report: IngestReport) -> None:
+        from kb.notes import write_note
+
+        record = item.record
+        if project:
+            record = record.model_copy(update={"project": project})
+        write = write_note if isinstance(record, NoteRecord) else write_run
+        try:
+            with Session(self.engine, expire_on_commit=False) as s, s.begin():
+                outcome, ref = write(s, record, item.source_kind, item.source_uri)
+        except IntegrityError as exc:
+            report.failed.append(InvalidRecord(f"conflicts with the store: {exc.orig}", source=item.source_uri,
+                                               line=item.line).as_dict())
+            return
+        except (InvalidRecord, ValueError) as exc:
+            report.failed.append(InvalidRecord(str(exc), source=item.source_uri, line=item.line).as_dict())
+            return
+        setattr(report, outcome, getattr(report, outcome) + 1)
+        report.ids.append(ref)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def runs(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
+             project: str | None = None) -> list[RunView]:
+        from kb.query import compile_sort, compile_where
+
+        stmt = select(Run)
+        if where:
+            stmt = stmt.where(compile_where(where))
+        if project:
+            stmt = stmt.where(Run.project == project)
+        stmt = stmt.order_by(*(compile_sort(sort) if sort else [Run.project, Run.name, Run.id]))
+        if limit:
+            stmt = stmt.limit(limit)
+        with Session(self.engine) as s:
+            return [RunView.of(r) for r in s.execute(stmt).scalars()]
+
+    def run(self, ref: str) -> RunDetail:
+        """One run by id, or by name when the name is unique."""
+        with Session(self.engine) as s:
+            row = s.get(Run, ref)
+            if row is None:
+                named = s.execute(select(Run).where(Run.name == ref).limit(2)).scalars().all()
+                if len(named) > 1:
+                    raise NotFound(f"{ref!r} names several runs; use an id: {', '.join(r.id for r in named)}")
+                row = named[0] if named else None
+            if row is None:
+                raise NotFound(f"no run {ref!r}")
+            return read_detail(s, row)
+
+    def count(self) -> dict:
+        with Session(self.engine) as s:
+            return {"runs": s.execute(select(func.count()).select_from(Run)).scalar_one(),
+                    "notes": s.execute(select(func.count()).select_from(Note)).scalar_one(),
+                    "pending_index": s.execute(select(func.count()).select_from(IndexPending)).scalar_one()}
+
+    def pending_index(self) -> int:
+        return self.count()["pending_index"]
+
+    # ---- vectors -------------------------------------------------------------------------
+
+    @property
+    def embedder(self):
+        if self._embedder is None:
+            from kb.embed import load_embedder
+            self._embedder = load_embedder(self.settings.embedding_model, threads=self.settings.threads)
+        return self._embedder
+
+    @property
+    def index(self):
+        """The vector index, opened (and reconciled with SQL) on first use; IndexBusy if held elsewhere."""
+        if self._index is None:
+            self.sync_index()
+        return self._index
+
+    def _open_index(self):
+        if self._index is None:
+            from kb.vectors import open_index
+            self._index = open_index(self.settings, self.embedder.dim)
+        return self._index
+
+    def sync_index(self, progress=None):
+        """Index what writers queued, after checking the index against SQL (a deleted folder, a crash)."""
+        from kb import indexer
+        return indexer.sync(self.engine, self._open_index(), self.embedder, progress=progress)
+
+    def reindex(self, progress=None):
+        """Rebuild the vector index from SQL, from scratch."""
+        from kb import indexer
+        index = self._open_index()
+        index.delete(list(index.fingerprints()))
+        indexer.queue_everything(self.engine)
+        return indexer.sync(self.engine, index, self.embedder, reconcile=False, progress=progress)
+
+    def search(self, text: str, limit: int = 10, where: dict | None = None) -> list:
+        vector = self.embedder.encode([text])[0]
+        return self.index.search(vector, limit=limit, where=where)

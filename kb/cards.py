@@ -1,0 +1,58 @@
+"""A run as a short, deterministic text: what gets embedded, and what an LLM reads as context.
+
+Same run, same card, byte for byte: the card's hash tells the indexer whether the
+vector is stale.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kb.fields import leaves
+
+CARD_CONFIG_KEYS = 14      # a card is ~100 tokens: enough to tell runs apart, cheap to embed
+
+
+def human(n: float | int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}" if isinstance(n, float) else str(n)
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def run_card(run: dict, failures: list[dict], anomalies: list[dict]) -> str:
+    """`run` holds the row's fields (id, name, project, status, config, scale, summary, tags, notes)."""
+    lines = [f"run {run['name'] or run['id']} (id {run['id']}) in project {run['project']}; status {run['status']}"]
+    cfg = [f"{'.'.join(p)}={fmt(v)}" for p, v in leaves(run["config"]) if p and not isinstance(v, (dict, list))]
+    if cfg:
+        more = f" (+{len(cfg) - CARD_CONFIG_KEYS} more)" if len(cfg) > CARD_CONFIG_KEYS else ""
+        lines.append("config: " + " ".join(cfg[:CARD_CONFIG_KEYS]) + more)
+    scale = run["scale"]
+    if any(scale.get(k) is not None for k in ("params", "tokens", "flops")):
+        lines.append(f"scale: {human(scale.get('params'))} params, {human(scale.get('tokens'))} tokens, "
+                     f"{fmt(scale['flops']) if scale.get('flops') else '?'} FLOPs")
+    finals = [f"{k}={fmt(v)}" for k, v in sorted(run["summary"].items()) if not isinstance(v, (dict, list))]
+    if finals:
+        lines.append("final: " + " ".join(finals[:8]))
+    for f in failures[:3]:
+        at = f" at step {f['step']}" if f.get("step") is not None else ""
+        lines.append(f"failure: {f['kind']}{at}: {f.get('message', '')[:160]}")
+    for a in anomalies[:3]:
+        lines.append(f"anomaly: {a['kind']} in {a['key']} at step {a['step']}")
+    if run["tags"]:
+        lines.append("tags: " + ", ".join(run["tags"]))
+    if run.get("notes"):
+        lines.append("notes: " + " ".join(run["notes"].split())[:300])
+    return "\n".join(lines)
+
+
+def card_hash(card: str) -> str:
+    return hashlib.sha1(card.encode()).hexdigest()[:16]

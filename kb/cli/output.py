@@ -1,0 +1,39 @@
+"""Printing: JSON on stdout for scripts, plain aligned tables for people."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import click
+
+
+def _clean(value):
+    """JSON has no NaN: a NaN metric prints as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def emit_json(data) -> None:
+    click.echo(json.dumps(_clean(data), indent=2, default=str, allow_nan=False))
+
+
+def table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    out = sys.stdout
+    out.write("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip() + "\n")
+    for r in rows:
+        out.write("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
+
+
+def num(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,150 @@
+"""`kb ingest`, `kb runs`, `kb show`, `kb reindex`, `kb search`: getting runs in and finding them."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kb.cli.output import emit_json, num, table
+
+PREFERRED_METRICS = ("val/loss", "val_loss", "eval/loss", "loss", "train/loss")
+
+
+def register(cli: click.Group) -> None:
+    for cmd in (ingest, runs, show, reindex, search):
+        cli.add_command(cmd)
+
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--format", "fmt", help="Override detection: native, mlflow, wandb, tensorboard, hf-trainer, log, notes.")
+@click.option("--project", help="Store every run under this project.")
+@click.option("--no-index", is_flag=True, help="Only write SQL; leave vectors to `kb serve` or the next command.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
+@click.pass_obj
+def ingest(obj, paths, fmt, project, no_index, as_json):
+    """Ingest runs and notes from PATHS (files, folders or tracking URIs)."""
+    k = obj.kb()
+    with _progress() as bar:
+        task = bar.add_task("ingesting", total=None)
+        report = k.ingest(*paths, format=fmt, project=project, index=False,
+                          progress=lambda src, n: bar.update(task, completed=n, description=_short(src)))
+    if not no_index and (report.added or report.updated or k.pending_index()):
+        from kb.errors import IndexBusy
+        try:
+            with _progress() as bar:
+                task = bar.add_task("indexing", total=None)
+                k.sync_index(progress=lambda done, total: bar.update(task, completed=done, total=total))
+        except IndexBusy:
+            click.echo("vector index is held by another process (kb serve); it will index the new runs",
+                       err=True)
+    if as_json:
+        emit_json(report.as_dict())
+    else:
+        click.echo(f"added {report.added}, updated {report.updated}, unchanged {report.unchanged}, "
+                   f"failed {len(report.failed)}")
+    for f in report.failed:
+        where = f["source"] + (f":{f['line']}" if f.get("line") else "")
+        click.echo(f"error: {where}: {f['field'] + ': ' if f.get('field') else ''}{f['error']}", err=True)
+    if report.failed:
+        raise click.exceptions.Exit(2)
+
+
+@click.command()
+@click.option("--where", "where", help="Filter, e.g. \"config.optim.lr > 1e-3 or status = 'diverged'\".")
+@click.option("--sort", help="Sort key, '-' prefix for descending, e.g. summary.val/loss.")
+@click.option("--limit", type=int, help="At most N runs.")
+@click.option("--project", help="Only this project.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def runs(obj, where, sort, limit, project, as_json):
+    """List runs."""
+    found = obj.kb().runs(where=where, sort=sort, limit=limit, project=project)
+    if as_json:
+        emit_json([r.as_dict() for r in found])
+        return
+    rows = []
+    for r in found:
+        metric = next((m for m in PREFERRED_METRICS if m in r.summary), None)
+        rows.append([r.id, r.project, r.name, r.status, num(r.config and _lr(r)), num(r.scale.get("params")),
+                     f"{metric}={num(r.summary[metric])}" if metric else ""])
+    table(rows, ["id", "project", "name", "status", "lr", "params", "result"])
+    click.echo(f"{len(found)} run(s)", err=True)
+
+
+@click.command()
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--points/--no-points", default=False, help="With --json: include every curve point.")
+@click.pass_obj
+def show(obj, run, as_json, points):
+    """One run: config, summary, failures, anomalies, ablations."""
+    d = obj.kb().run(run)
+    if as_json:
+        data = d.as_dict()
+        if not points:
+            data["metrics"] = {k: {"points": len(v), "first": v[0], "last": v[-1]} for k, v in d.metrics.items()}
+        emit_json(data)
+        return
+    click.echo(d.card)
+    click.echo(f"source: {d.source['kind']} {d.source['uri']}")
+    for key, s in sorted(d.stats.items()):
+        click.echo(f"curve {key}: {s['points']} points, steps {s['first_step']}..{s['last_step']}, "
+                   f"final {num(s.get('final'))}, best {num(s.get('best'))} at {s.get('best_step', '-')}")
+    for f in d.failures:
+        click.echo(f"failure [{f['origin']}] {f['kind']} at step {f['step']}: {f['message']}")
+        for line in (f["evidence"] or "").splitlines()[-6:]:
+            click.echo(f"    | {line}")
+    for a in d.anomalies:
+        click.echo(f"anomaly {a['kind']} {a['key']} at step {a['step']}: {a['evidence']}")
+    for a in d.ablations:
+        click.echo(f"ablation {a['id']}: {a['factor']} ({a['metric']}) effect {a['effect']}")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def reindex(obj, as_json):
+    """Rebuild the vector index from SQL."""
+    k = obj.kb()
+    with _progress() as bar:
+        task = bar.add_task("indexing", total=None)
+        report = k.reindex(progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if as_json:
+        emit_json({"indexed": report.indexed})
+    else:
+        click.echo(f"indexed {report.indexed}")
+
+
+@click.command()
+@click.argument("text")
+@click.option("--limit", type=int, default=5)
+@click.option("--kind", type=click.Choice(["run", "note"]), help="Only runs or only notes.")
+@click.option("--project")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def search(obj, text, limit, kind, project, as_json):
+    """Semantic search over run cards and notes."""
+    where = {k: v for k, v in (("kind", kind), ("project", project)) if v}
+    hits = obj.kb().search(text, limit=limit, where=where or None)
+    if as_json:
+        emit_json([{"id": h.payload.get("ref_id"), "kind": h.payload.get("kind"), "score": h.score} for h in hits])
+        return
+    table([[f"{h.score:.3f}", h.payload.get("kind"), h.payload.get("ref_id"), h.payload.get("name") or
+            h.payload.get("title", "")] for h in hits], ["score", "kind", "id", "name"])
+
+
+def _lr(r):
+    from kb.runs import LR_KEYS, find_number
+    return find_number(r.config, LR_KEYS)
+
+
+def _short(src: str) -> str:
+    return src if len(src) < 40 else "..." + src[-37:]
+
+
+def _progress():
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty())

@@ -1,0 +1,160 @@
+"""Native JSON/JSONL ingest on real SQLite and Postgres: exact round trip, idempotency, bad input."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from sqlalchemy import func, select
+from sqlmodel import Session
+
+from kb.models import MetricPoint, Run, RunField
+
+RECORD = {
+    "id": "gpt-small-lr3e-4", "project": "gpt-small", "name": "lr-sweep-3e-4", "status": "completed",
+    "config": {"model": {"n_layer": 12, "d_model": 768, "norm": "rmsnorm", "bias": False},
+               "optim": {"lr": 3e-4, "betas": [0.9, 0.95]}, "data": {"batch_size": 512, "block_size": 1024}},
+    "scale": {"params": 124_000_000, "tokens": 2_500_000_000, "flops": 1.9e18},
+    "metrics": {"train/loss": [[0, 10.9, 1700000000.5], [100, 6.2, 1700000100.25], [200, 5.1, 1700000200.0]],
+                "val/loss": [[100, 6.4], [200, 5.3]]},
+    "summary": {"val/loss": 3.28, "hellaswag": 0.31},
+    "tags": ["ablation:norm", "baseline"], "notes": "the reference run",
+    "started_at": "2026-01-05T10:00:00+00:00", "ended_at": "2026-01-05T18:30:00Z",
+    "code": {"git_commit": "abc123", "entrypoint": "train.py"},
+}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def store_state(kb):
+    with Session(kb.engine) as s:
+        return tuple(s.execute(select(func.count()).select_from(t)).scalar_one() for t in (Run, MetricPoint, RunField))
+
+
+def test_round_trip_is_exact(kb, tmp_path):
+    report = kb.ingest(str(write_jsonl(tmp_path / "runs.jsonl", [RECORD])), index=False)
+    assert (report.added, report.failed) == (1, [])
+    run = kb.run("gpt-small-lr3e-4")
+    assert run.config == RECORD["config"]
+    assert run.scale == RECORD["scale"]
+    assert run.metrics == RECORD["metrics"]
+    assert run.summary == {**RECORD["summary"], "train/loss": 5.1}   # given values win, finals fill in
+    assert run.tags == RECORD["tags"] and run.notes == RECORD["notes"]
+    assert run.status == "completed" and run.project == "gpt-small"
+    assert run.started_at.isoformat() == "2026-01-05T10:00:00+00:00"
+    assert run.code == {"git_commit": "abc123", "entrypoint": "train.py"}
+    assert run.stats["train/loss"] == {"points": 3, "first_step": 0, "last_step": 200, "final": 5.1,
+                                       "nonfinite": 0, "best": 5.1, "best_step": 200}
+    assert run.source["kind"] == "native" and run.source["content_hash"]
+    assert kb.run("lr-sweep-3e-4").id == run.id      # by unique name too
+
+
+def test_nan_loss_round_trips_and_marks_divergence(kb, tmp_path):
+    rec = {"id": "blowup", "config": {"optim": {"lr": 3e-3}},
+           "metrics": {"train/loss": [[0, 10.0], [10, 7.0], [20, float("nan")], [30, float("inf")]]}}
+    kb.ingest(str(write_jsonl(tmp_path / "r.jsonl", [rec])), index=False)
+    run = kb.run("blowup")
+    values = [p[1] for p in run.metrics["train/loss"]]
+    assert values[:2] == [10.0, 7.0] and math.isnan(values[2]) and values[3] == math.inf
+    assert run.status == "diverged"
+    assert run.failures[0]["kind"] == "diverged" and run.failures[0]["step"] == 20
+
+
+def test_reingest_is_idempotent_and_changes_are_updates(kb, tmp_path):
+    records = [dict(RECORD, id=f"r{i}", config={"optim": {"lr": 1e-4 * (i + 1)}}) for i in range(5)]
+    path = write_jsonl(tmp_path / "runs.jsonl", records)
+    first = kb.ingest(str(path), index=False)
+    before = store_state(kb)
+    second = kb.ingest(str(path), index=False)
+    assert (first.added, second.added, second.updated, second.unchanged) == (5, 0, 0, 5)
+    assert store_state(kb) == before
+    records[2]["summary"] = {**RECORD["summary"], "val/loss": 2.5}
+    third = kb.ingest(str(write_jsonl(path, records)), index=False)
+    assert (third.added, third.updated, third.unchanged) == (0, 1, 4)
+    assert kb.run("r2").summary["val/loss"] == 2.5
+    assert store_state(kb) == before
+
+
+def test_records_without_id_get_stable_ids(kb, tmp_path):
+    recs = [{"project": "p", "name": "a", "config": {"x": 1}}, {"config": {"x": 2}}]
+    path = write_jsonl(tmp_path / "runs.jsonl", recs)
+    ids = kb.ingest(str(path), index=False).ids
+    assert kb.ingest(str(path), index=False).ids == ids
+    assert ids[0].startswith("a-") and ids[1].startswith("run-")
+
+
+BAD_LINES = [
+    ('{"id": "t", "config": {"optim": {"lr": 3e-4}', "", "invalid JSON"),                        # truncated
+    ('{"id": "w", "config": {}, "scale": {"params": "many"}}', "scale.params", "valid integer"),  # wrong type
+    ('{"id": "u", "config": {"a": 1}, "hyperparams": {}}', "hyperparams", "unknown key"),
+    ('{"id": "h", "config": {"optim": {"lr": 1e999}}}', "config.optim.lr", "not finite"),        # huge float
+    ('{"id": "i", "config": {"a": 1}, "scale": {"params": 123456789012345678901234567890}}', "scale.params", "64 bits"),
+    ('{"id": "s", "status": "exploded", "config": {"a": 1}}', "status", "completed"),
+    ('{"id": "e", "name": "no content"}', "", "config` or `metrics"),
+    ('{"id": "m", "metrics": {"loss": [[0, "x"]]}}', "metrics.loss.0.1", "valid number"),
+    ('[1, 2]', "", "JSON object"),
+]
+
+
+@pytest.mark.parametrize("bad,field,message", BAD_LINES)
+def test_bad_record_is_named_and_nothing_of_it_is_stored(kb, tmp_path, bad, field, message):
+    good = [json.dumps(dict(RECORD, id="good-1")), bad, json.dumps(dict(RECORD, id="good-2"))]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(good) + "\n")
+    report = kb.ingest(str(path), index=False)
+    assert report.added == 2
+    [failure] = report.failed
+    assert failure["source"] == str(path) and failure["line"] == 2
+    assert failure["field"] == field and message in failure["error"]
+    assert {r.id for r in kb.runs()} == {"good-1", "good-2"}
+
+
+def test_non_utf8_bytes_are_reported_with_their_line(kb, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(dict(RECORD, id="ok")).encode() + b'\n{"id": "bad", "name": "caf\xe9", "config": {}}\n')
+    report = kb.ingest(str(path), index=False)
+    assert report.added == 1 and report.failed[0]["line"] == 2 and "UTF-8" in report.failed[0]["error"]
+
+
+def test_single_json_file_and_list_file(kb, tmp_path):
+    (tmp_path / "one.json").write_text(json.dumps(RECORD))
+    (tmp_path / "many.json").write_text(json.dumps([dict(RECORD, id="x1"), {"id": "x2", "config": {}, "bogus": 1}]))
+    one = kb.ingest(str(tmp_path / "one.json"), index=False)
+    many = kb.ingest(str(tmp_path / "many.json"), index=False)
+    assert one.added == 1 and many.added == 1
+    assert many.failed[0]["field"] == "[1].bogus"
+
+
+def test_failed_write_leaves_the_store_as_it_was(kb, tmp_path, monkeypatch):
+    """A fault injected after the run row is written rolls the whole run back."""
+    kb.ingest(str(write_jsonl(tmp_path / "a.jsonl", [dict(RECORD, id="before")])), index=False)
+    before = store_state(kb)
+    import kb.runs as runs_mod
+    real_bulk = runs_mod._bulk
+
+    def failing_bulk(session, model, rows):
+        if model is MetricPoint:
+            raise RuntimeError("disk full")
+        real_bulk(session, model, rows)
+
+    monkeypatch.setattr(runs_mod, "_bulk", failing_bulk)
+    with pytest.raises(RuntimeError):
+        kb.ingest(str(write_jsonl(tmp_path / "b.jsonl", [dict(RECORD, id="after")])), index=False)
+    assert store_state(kb) == before
+    assert [r.id for r in kb.runs()] == ["before"]
+
+
+def test_promoted_columns_and_derived_scale(kb, tmp_path):
+    rec = {"id": "derived", "config": {"model": {"n_layer": 2, "d_model": 64, "vocab_size": 256},
+                                       "optim": {"lr": 1e-3}, "batch_size": 8, "block_size": 128},
+           "metrics": {"loss": [[0, 5.0], [50, 3.0]]}}
+    kb.ingest(str(write_jsonl(tmp_path / "d.jsonl", [rec])), index=False)
+    run = kb.run("derived")
+    assert run.scale == {"params": 12 * 2 * 64**2 + 256 * 64, "tokens": 8 * 128 * 50,
+                         "flops": 6.0 * (12 * 2 * 64**2 + 256 * 64) * 8 * 128 * 50}
+    with Session(kb.engine) as s:
+        row = s.get(Run, "derived")
+        assert (row.lr, row.batch_size, row.params) == (1e-3, 8, run.scale["params"])
