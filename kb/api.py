@@ -10,12 +10,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from sqlalchemy import func, or_, select
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from kb.db import make_engine, migrate
-from kb.errors import IndexBusy, InvalidRecord, KBError, NotFound
+from kb.errors import IndexBusy, InvalidRecord, NotFound
 from kb.models import IndexPending, Note, Run
 from kb.records import NoteRecord
 from kb.runs import RunDetail, RunView, read_detail, write_run
@@ -32,6 +32,7 @@ class IngestReport:
     failed: list[dict] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
     pending_index: int = 0
+    projects: set[str] = field(default_factory=set)     # touched: their ablations are recomputed
 
     def as_dict(self) -> dict:
         return {"added": self.added, "updated": self.updated, "unchanged": self.unchanged,
@@ -88,15 +89,12 @@ class KnowledgeBase:
                         report.failed.append(item.error.as_dict())
                     if progress:
                         progress(source, report.added + report.updated + report.unchanged + len(report.failed))
-        if index and (report.added or report.updated):
-            try:
-                self.sync_index()
-            except IndexBusy:
-                log.info("vector index held by another process; it will index what is pending")
+        self._after_writes(report, index)
         report.pending_index = self.pending_index()
         return report
 
-    def ingest_records(self, records: Iterable[dict], *, source: str = "api", index: bool = True) -> IngestReport:
+    def ingest_records(self, records: Iterable[dict], *, source: str = "api", source_kind: str = "native",
+                       index: bool = True) -> IngestReport:
         """Native records given as dicts (the REST API, hooks and the runner write through this)."""
         from ingest.base import Parsed
         from kb.records import parse_run
@@ -108,13 +106,15 @@ class KnowledgeBase:
             except InvalidRecord as exc:
                 report.failed.append(exc.at(source, i).as_dict())
                 continue
-            self._store(Parsed(record, "native", source, i), None, report)
-        if index and (report.added or report.updated):
-            try:
-                self.sync_index()
-            except IndexBusy:
-                pass
+            self._store(Parsed(record, source_kind, source, i), None, report)
+        self._after_writes(report, index)
+        report.pending_index = self.pending_index()
         return report
+
+    def track(self, project: str = "default", config: dict | None = None, name: str | None = None, **fields):
+        """`with k.track(project=..., config=...) as run: run.log({...}, step=...)`; ingested on exit."""
+        from ingest.hooks import TrackedRun
+        return TrackedRun(self, project=project, config=config or {}, name=name, **fields)
 
     def _store(self, item, project: str | None, report: IngestReport) -> None:
         from kb.notes import write_note
@@ -135,6 +135,19 @@ class KnowledgeBase:
             return
         setattr(report, outcome, getattr(report, outcome) + 1)
         report.ids.append(ref)
+        if outcome != "unchanged" and not isinstance(record, NoteRecord):
+            report.projects.add(record.project)
+
+    def _after_writes(self, report: IngestReport, index: bool) -> None:
+        from kb.ablations import refresh
+        for project in sorted(report.projects):
+            with Session(self.engine) as s, s.begin():
+                refresh(s, project)
+        if index and (report.added or report.updated):
+            try:
+                self.sync_index()
+            except IndexBusy:
+                log.info("vector index held by another process; it will index what is pending")
 
     # ---- reading -------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any, Iterator
 
-NAMESPACES = ("config", "summary", "scale", "stats", "anomalies", "failure", "tags")
+NAMESPACES = ("config", "summary", "scale", "stats", "anomalies", "failure", "tags", "ablations")
 BARE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_/\-]*\Z")
 
 

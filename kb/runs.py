@@ -243,4 +243,4 @@ def read_detail(session: Session, row: Run) -> RunDetail:
 
 def _ablations_of(session: Session, row: Run) -> list[Ablation]:
     rows = session.execute(select(Ablation).where(Ablation.project == row.project)).scalars()
-    return [a for a in rows if a.baseline_run == row.id or any(v.get("run") == row.id for v in a.variants)]
+    return [a for a in rows if any(row.id in v["runs"] for v in a.variants)]

@@ -1,0 +1,166 @@
+"""Ablations found in the runs themselves: within a project, runs whose configs differ in exactly
+one key (seeds aside), or that share an `ablation:<factor>` tag, form an Ablation with a factor,
+a baseline, variants and their effect on the final metric.
+
+Runs that differ only in their seed are one configuration measured several times: their
+spread is the noise floor, and each effect says whether it clears it (|delta| > 2 sigma,
+sigma the pooled seed standard deviation).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections import defaultdict
+
+from sqlalchemy import delete, insert, select
+from sqlmodel import Session
+
+from kb.fields import canonical, field_rows, leaves
+from kb.models import Ablation, Run, RunField, utcnow
+
+SEED_KEYS = {"seed", "data_seed", "random_seed", "init_seed", "shuffle_seed"}
+METRICS = ("val/loss", "val_loss", "eval/loss", "eval_loss", "valid/loss", "loss", "train/loss", "train_loss")
+MISSING = "<missing>"
+
+
+def _signature(config: dict) -> dict[str, str]:
+    """Config leaves (seeds left out) as canonical key -> JSON text, so values compare exactly."""
+    return {canonical(p): json.dumps(v, sort_keys=True) for p, v in leaves(config)
+            if p and p[-1] not in SEED_KEYS and not isinstance(v, (dict, list))}
+
+
+def _metric(runs: list[Run]) -> str | None:
+    """The first of METRICS that any run reports (a diverged variant has no final, and says so)."""
+    for m in METRICS:
+        if any(isinstance(r.summary.get(m), (int, float)) for r in runs):
+            return m
+    return None
+
+
+class _Group:
+    """Runs with one configuration: several seeds of it, or one."""
+
+    def __init__(self, sig: dict[str, str], runs: list[Run]):
+        self.sig, self.runs = sig, sorted(runs, key=lambda r: r.id)
+
+    def values(self, metric: str) -> list[float]:
+        return [float(r.summary[metric]) for r in self.runs if isinstance(r.summary.get(metric), (int, float))]
+
+    def mean(self, metric: str) -> float | None:
+        v = self.values(metric)
+        return statistics.fmean(v) if v else None
+
+
+def _baseline(groups: list[_Group]) -> _Group:
+    members = {r.id for g in groups for r in g.runs}
+
+    def rank(g: _Group):
+        tagged = any("baseline" in r.tags for r in g.runs)
+        is_parent = any(r.parent in {x.id for x in g.runs} for o in groups for r in o.runs if r.parent in members)
+        first = min((r.started_at.isoformat() if r.started_at else "", r.id) for r in g.runs)
+        return (not tagged, not is_parent, first)
+    return min(groups, key=rank)
+
+
+def _pooled_sigma(groups: list[_Group], metric: str) -> float | None:
+    ss, dof = 0.0, 0
+    for g in groups:
+        v = g.values(metric)
+        if len(v) >= 2:
+            ss += statistics.variance(v) * (len(v) - 1)
+            dof += len(v) - 1
+    return (ss / dof) ** 0.5 if dof else None
+
+
+def _build(project: str, factor: str, groups: list[_Group], key: str | None) -> Ablation | None:
+    runs = [r for g in groups for r in g.runs]
+    metric = _metric(runs)
+    base = _baseline(groups)
+    sigma = _pooled_sigma(groups, metric) if metric else None
+    base_mean = base.mean(metric) if metric else None
+    variants = []
+    for g in groups:
+        value = json.loads(g.sig[key]) if key and key in g.sig else (MISSING if key else None)
+        if key is None:     # tag ablation: the value is whatever differs from the baseline
+            value = {k: json.loads(v) for k, v in g.sig.items() if base.sig.get(k) != v} or "baseline"
+        mean = g.mean(metric) if metric else None
+        delta = (mean - base_mean) if mean is not None and base_mean is not None else None
+        variants.append({"runs": [r.id for r in g.runs], "run": g.runs[0].id, "value": value,
+                         "metric": mean, "seeds": len(g.runs), "delta": delta,
+                         "exceeds_seed_spread": (abs(delta) > 2 * sigma) if delta is not None and sigma else None,
+                         "baseline": g is base})
+    variants.sort(key=lambda v: (not v["baseline"], json.dumps(v["value"], sort_keys=True, default=str)))
+    members = sorted(r.id for r in runs)
+    digest = hashlib.sha1(json.dumps([factor, members]).encode()).hexdigest()[:10]
+    return Ablation(id=f"abl-{factor}-{digest}", project=project, factor=factor, metric=metric or "",
+                    baseline_run=base.runs[0].id, variants=variants,
+                    effect={"seed_sigma": sigma, "baseline_metric": base_mean,
+                            "best": min((v for v in variants if v["metric"] is not None),
+                                        key=lambda v: v["metric"], default={}).get("run")},
+                    source_kind="derived", source_uri=f"project:{project}", content_hash=digest,
+                    ingested_at=utcnow())
+
+
+def find_ablations(project: str, runs: list[Run]) -> list[Ablation]:
+    by_config: dict[str, list[Run]] = defaultdict(list)
+    sigs: dict[str, dict] = {}
+    for r in runs:
+        sig = _signature(r.config)
+        k = json.dumps(sig, sort_keys=True)
+        by_config[k].append(r)
+        sigs[k] = sig
+    groups = [_Group(sigs[k], rs) for k, rs in by_config.items()]
+    found = []
+    keys = sorted({k for g in groups for k in g.sig})
+    for key in keys:
+        buckets: dict[str, list[_Group]] = defaultdict(list)
+        for g in groups:
+            rest = {k: v for k, v in g.sig.items() if k != key}
+            buckets[json.dumps(rest, sort_keys=True)].append(g)
+        for members in buckets.values():
+            if len(members) >= 2 and any(key in g.sig for g in members):
+                found.append(_build(project, f"config.{key}", members, key))
+    tagged: dict[str, list[Run]] = defaultdict(list)
+    for r in runs:
+        for t in r.tags:
+            if t.startswith("ablation:") and len(t) > len("ablation:"):
+                tagged[t.split(":", 1)[1]].append(r)
+    covered = {(a.factor.rsplit(".", 1)[-1], tuple(sorted(x for v in a.variants for x in v["runs"])))
+               for a in found}
+    for factor, rs in sorted(tagged.items()):
+        sub = [g for g in (_Group(s, [r for r in rs if _signature(r.config) == s]) for s in
+                           _unique([_signature(r.config) for r in rs]))]
+        if len(sub) >= 2 and (factor, tuple(sorted(r.id for r in rs))) not in covered:
+            found.append(_build(project, factor, sub, None))
+    return found
+
+
+def _unique(sigs: list[dict]) -> list[dict]:
+    out = []
+    for s in sigs:
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def refresh(session: Session, project: str) -> list[Ablation]:
+    """Recompute a project's ablations and the `ablations.*` fields its runs are queried by."""
+    runs = list(session.execute(select(Run).where(Run.project == project)).scalars())
+    found = find_ablations(project, runs)
+    session.execute(delete(Ablation).where(Ablation.project == project))
+    ids = [r.id for r in runs]
+    for chunk in (ids[i:i + 500] for i in range(0, len(ids), 500)):
+        session.execute(delete(RunField).where(RunField.run_id.in_(chunk), RunField.key.like("ablations.%")))
+    per_run: dict[str, dict] = defaultdict(dict)
+    for a in found:
+        session.add(a)
+        name = a.factor.rsplit(".", 1)[-1] if a.factor.startswith("config.") else a.factor
+        for v in a.variants:
+            for rid in v["runs"]:
+                per_run[rid][name] = {"role": "baseline" if v["baseline"] else "variant", "id": a.id,
+                                      "delta": v["delta"], "exceeds_seed_spread": v["exceeds_seed_spread"]}
+    rows = [row for rid, abl in per_run.items() for row in field_rows(rid, {"ablations": abl})]
+    if rows:
+        session.execute(insert(RunField.__table__), rows)
+    return found

