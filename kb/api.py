@@ -33,6 +33,7 @@ class IngestReport:
     ids: list[str] = field(default_factory=list)
     pending_index: int = 0
     projects: set[str] = field(default_factory=set)     # touched: their ablations are recomputed
+    note_chunks: dict[str, int] = field(default_factory=dict)   # document -> chunks it has now
 
     def as_dict(self) -> dict:
         return {"added": self.added, "updated": self.updated, "unchanged": self.unchanged,
@@ -135,11 +136,17 @@ class KnowledgeBase:
             return
         setattr(report, outcome, getattr(report, outcome) + 1)
         report.ids.append(ref)
-        if outcome != "unchanged" and not isinstance(record, NoteRecord):
+        if isinstance(record, NoteRecord):
+            report.note_chunks[item.source_uri] = max(report.note_chunks.get(item.source_uri, 0), record.chunk + 1)
+        elif outcome != "unchanged":
             report.projects.add(record.project)
 
     def _after_writes(self, report: IngestReport, index: bool) -> None:
         from kb.ablations import refresh
+        from kb.notes import drop_chunks_beyond
+        for uri, n in report.note_chunks.items():
+            with Session(self.engine) as s, s.begin():
+                drop_chunks_beyond(s, uri, n)      # a document that got shorter
         for project in sorted(report.projects):
             with Session(self.engine) as s, s.begin():
                 refresh(s, project)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 Point = Sequence   # (step, value) or (step, value, wall_time); value None means NaN
 
@@ -30,3 +33,241 @@ def curve_stats(metrics: dict[str, list[Point]]) -> dict[str, dict]:
             s.update(best=best, best_step=best_step)
         stats[key] = s
     return stats
+
+
+# ---- anomalies ------------------------------------------------------------------------------
+#
+# Every detector works on one curve at a time. Spikes and divergence look at point indices (not
+# steps), so a curve logged every step and one logged every 250 steps are judged alike; the
+# plateau test compares doublings of the step, the scale on which losses fall. Spikes are residuals against a
+# rolling median, scaled by a local robust noise estimate taken from second differences: a
+# median window over a monotone stretch returns the centre point itself, so the residual of a
+# steep but clean initial drop is zero, and the second differences there are large, which only
+# makes the detector more cautious where the curve bends.
+
+SPIKE_Z = 8.0            # robust z above which a point is a spike (Gaussian noise: ~1e-15 per point)
+GRAD_Z = 8.0             # the same on log10(grad norm), whose noise is multiplicative
+REL_FLOOR = 1e-3         # noise is never taken below 0.1% of the curve's level: a smooth eval curve
+                         # with a 0.002 wiggle is not a spike anyone needs to hear about
+DIVERGE_RATIO = 0.5      # "far above": the smoothed loss sits 50% (of its best) above its best ...
+DIVERGE_MIN_POINTS = 3   # ... from some point to the end of the curve, for at least this many points
+PLATEAU_RATIO = 0.2      # plateau: the last doubling of steps improved by less than this fraction of
+                         # the doubling before, with two standard errors to spare
+
+
+@dataclass
+class Finding:
+    kind: str             # loss_spike | divergence | plateau | grad_spike
+    key: str
+    step: int | None
+    value: float | None   # None where the value was NaN/Inf
+    score: float | None
+    evidence: str
+
+
+def is_loss(key: str) -> bool:
+    k = key.lower()
+    return "loss" in k and "scale" not in k     # fp16's loss scale jumps by design
+
+
+def is_grad_norm(key: str) -> bool:
+    k = key.lower()
+    return "grad" in k and "norm" in k
+
+
+def _arrays(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
+    pts = sorted(points, key=lambda p: p[0])
+    steps = np.fromiter((p[0] for p in pts), dtype=np.int64, count=len(pts))
+    values = np.fromiter((np.nan if p[1] is None else p[1] for p in pts), dtype=float, count=len(pts))
+    return steps, values
+
+
+def _odd(n: int) -> int:
+    return n if n % 2 else n + 1
+
+
+def _median(y: np.ndarray, size: int, mode: str = "nearest") -> np.ndarray:
+    from scipy.ndimage import median_filter     # here, not at import: `kb runs` never needs scipy
+
+    return median_filter(y, size=min(size, _odd(len(y))), mode=mode)
+
+
+def _smooth(y: np.ndarray) -> np.ndarray:
+    # 'nearest' repeats the end values, so a monotone curve's first point is its own median
+    # wide enough to see through spikes that last up to ~2.5% of the curve
+    return _median(y, _odd(max(7, min(101, len(y) // 40))))
+
+
+def _noise(y: np.ndarray, level: np.ndarray) -> np.ndarray:
+    """Local robust noise: MAD of second differences (var = 6 sigma^2 for white noise)."""
+    d2 = np.zeros_like(y)
+    if len(y) >= 3:
+        d2[1:-1] = np.abs(y[2:] - 2 * y[1:-1] + y[:-2])
+        d2[0], d2[-1] = d2[1], d2[-2]
+    window = _odd(max(51, len(y) // 20))
+    # 'reflect', not 'nearest': fifty copies of one small end value would pass for quiet noise
+    local = _median(d2, window, "reflect") * 1.4826 / np.sqrt(6)
+    overall = np.median(d2) * 1.4826 / np.sqrt(6)
+    # a locally dead-flat stretch must not make every wiggle in it "infinitely" surprising
+    return np.maximum.reduce([local, np.full_like(y, 0.5 * overall), REL_FLOOR * np.abs(level),
+                              np.full_like(y, 1e-12)])
+
+
+def _spikes(kind: str, key: str, steps: np.ndarray, y: np.ndarray, shown: np.ndarray,
+            threshold: float) -> list[Finding]:
+    """Upward spikes of y; `shown` holds the values reported in the evidence (y may be a log)."""
+    if len(y) < 10:
+        return []
+    base = _smooth(y)
+    z = (y - base) / _noise(y, base)
+    # heavy-tailed noise earns a higher bar: spikes go up, so the downward tail measures the noise
+    threshold = max(threshold, 2.0 * float(np.quantile(-z, 0.999)))
+    hot = np.flatnonzero(z > threshold)
+    out: list[Finding] = []
+    shown_base = _smooth(shown)
+    # consecutive flagged points are one event, reported at its peak
+    for group in np.split(hot, np.flatnonzero(np.diff(hot) > 1) + 1) if len(hot) else []:
+        i = int(group[np.argmax(z[group])])
+        span = f", elevated over steps {steps[group[0]]}-{steps[group[-1]]}" if len(group) > 1 else ""
+        out.append(Finding(kind, key, int(steps[i]), float(shown[i]), round(float(z[i]), 2),
+                           f"{key} {shown[i]:.4g} at step {steps[i]} vs smoothed {shown_base[i]:.4g} "
+                           f"(z={z[i]:.1f}){span}"))
+    return out
+
+
+def _divergence(key: str, steps: np.ndarray, y: np.ndarray) -> Finding | None:
+    """The smoothed loss climbs far above its running best and never comes back."""
+    if len(y) < 10:
+        return None
+    s = _smooth(y)
+    best = np.minimum.accumulate(s)
+    excess = s - best
+    # far above the best in relative terms, and a real share of what the run had learnt so far
+    # (a loss near zero doubling from 1e-4 to 2e-4 is noise, not a blow-up)
+    far = (excess > DIVERGE_RATIO * np.maximum(np.abs(best), 1e-12)) & \
+          (excess > 0.1 * (np.maximum.accumulate(s) - best))
+    if not far[-1]:
+        return None
+    # the first point of the final run of "far" points
+    start = len(far) - int(np.argmin(far[::-1])) if not far.all() else 0
+    if len(far) - start < DIVERGE_MIN_POINTS:
+        return None
+    b = int(np.argmin(s[:start + 1]))
+    ratio = float(np.median(s[start:]) / best[start]) if best[start] else None
+    return Finding("divergence", key, int(steps[start]), float(y[start]), round(ratio, 2) if ratio else None,
+                   f"{key} rose to {np.median(s[start:]):.4g} from step {steps[start]} to {steps[-1]} and stayed, "
+                   f"vs its best {best[start]:.4g} at step {steps[b]}")
+
+
+def _log_drop(x: np.ndarray, s: np.ndarray, sigma: float, lo: float, hi: float) -> tuple[float, float, int]:
+    """How much the smoothed curve fell over log-steps [lo, hi), from a fitted line; its standard error; count."""
+    mask = (x >= lo) & (x < hi)
+    n = int(mask.sum())
+    if n < 3:
+        return 0.0, math.inf, n
+    xs, v = x[mask], s[mask]
+    sxx = float(((xs - xs.mean()) ** 2).sum())
+    if sxx <= 0:
+        return 0.0, math.inf, n
+    slope = float(((xs - xs.mean()) * (v - v.mean())).sum() / sxx)
+    return -slope * (hi - lo), sigma * (hi - lo) / math.sqrt(sxx), n
+
+
+def _plateau(key: str, steps: np.ndarray, y: np.ndarray) -> Finding | None:
+    """No meaningful improvement over the last doubling of steps, relative to the doubling before.
+
+    Losses fall roughly as a power of the step, so a healthy run improves by a similar amount
+    per doubling (a power law with exponent 0.5 keeps ~70% of its pace); a run that stopped
+    learning keeps almost none of it."""
+    if len(y) < 50:
+        return None
+    s = _smooth(y)
+    x = np.log2(steps.astype(float) + 1)
+    top = float(x[-1])
+    sigma = float(np.median(_noise(y, s)))
+    tail, se_tail, n_tail = _log_drop(x, s, sigma, top - 1, top + 1e-9)
+    prev, se_prev, n_prev = _log_drop(x, s, sigma, top - 2, top - 1)
+    if n_tail < 20 or n_prev < 10:
+        return None
+    # the doubling before must itself be a clear improvement, and the last one clearly below its pace
+    if prev <= 3 * se_prev or tail + 2 * se_tail >= PLATEAU_RATIO * prev:
+        return None
+    level = float(np.median(s[-max(5, n_tail // 5):]))
+    onset = int(np.argmax(s <= level + PLATEAU_RATIO * prev))
+    return Finding("plateau", key, int(steps[onset]), level, round(prev / max(tail, se_tail), 2),
+                   f"{key} improved {tail:.3g} over steps {steps[-n_tail]}-{steps[-1]} vs {prev:.3g} over the "
+                   f"doubling before; flat at {level:.4g} since about step {steps[onset]}")
+
+
+def find_anomalies(metrics: dict[str, list[Point]]) -> list[Finding]:
+    """Spikes, divergence and plateaus of losses; spikes of grad norms. Plain data, ordered by key."""
+    out: list[Finding] = []
+    for key in sorted(metrics):
+        if metrics[key] and is_grad_norm(key):
+            kind = "grad"
+        elif metrics[key] and is_loss(key):
+            kind = "loss"
+        else:
+            continue
+        steps, values = _arrays(metrics[key])
+        with np.errstate(over="ignore", invalid="ignore"):      # a loss of 1e300 just before the NaN
+            out.extend(_judge(key, kind, steps, values))
+    return out
+
+
+def _judge(key: str, kind: str, steps: np.ndarray, values: np.ndarray) -> list[Finding]:
+    bad = np.flatnonzero(~np.isfinite(values))
+    # everything after the first NaN/Inf is wreckage: judge the curve up to it
+    end = int(bad[0]) if len(bad) else len(values)
+    st, y = steps[:end], values[:end]
+    if kind == "grad":
+        return _spikes("grad_spike", key, st, np.log10(np.maximum(y, 1e-12)), y, GRAD_Z)
+    out: list[Finding] = []
+    if len(bad):
+        prior = f" (last finite {y[-1]:.4g} at step {st[-1]})" if len(y) else ""
+        out.append(Finding("divergence", key, int(steps[end]), None, None,
+                           f"{key} became {values[end]} at step {steps[end]}{prior}"))
+    div = None if len(bad) else _divergence(key, st, y)
+    # past a blow-up every point is "high": the divergence is the one finding there
+    cut = int(np.searchsorted(st, div.step)) if div else len(y)
+    out[:0] = _spikes("loss_spike", key, st[:cut], y[:cut], y[:cut], SPIKE_Z)
+    if div:
+        out.append(div)
+    elif not len(bad) and (p := _plateau(key, st, y)):
+        out.append(p)
+    return out
+
+
+def anomaly_summary(findings: list[Finding]) -> dict[str, dict]:
+    """Per kind: count, first and last step, max score; stored under `anomalies.<kind>.<field>`."""
+    out: dict[str, dict] = {}
+    for f in findings:
+        s = out.setdefault(f.kind, {"count": 0, "first_step": None, "last_step": None, "max_score": None})
+        s["count"] += 1
+        if f.step is not None:
+            s["first_step"] = f.step if s["first_step"] is None else min(s["first_step"], f.step)
+            s["last_step"] = f.step if s["last_step"] is None else max(s["last_step"], f.step)
+        if f.score is not None and math.isfinite(f.score):
+            s["max_score"] = f.score if s["max_score"] is None else max(s["max_score"], f.score)
+    return out
+
+
+def failure_from_curves(metrics: dict[str, list[Point]]) -> dict | None:
+    """A native `diverged` failure at the earliest step where a loss went NaN/Inf, else None."""
+    worst = None
+    for key, points in metrics.items():
+        if not points or not is_loss(key):
+            continue
+        steps, values = _arrays(points)
+        bad = np.flatnonzero(~np.isfinite(values))
+        if not len(bad):
+            continue
+        i = int(bad[0])
+        if worst is None or steps[i] < worst[0]:
+            worst = (int(steps[i]), key, values[i], (int(steps[i - 1]), values[i - 1]) if i else None)
+    if worst is None:
+        return None
+    step, key, value, prior = worst
+    before = f"{key} {prior[1]:.4g} at step {prior[0]}, then " if prior else ""
+    return {"kind": "diverged", "step": step, "message": f"{key} became {value} at step {step}",
+            "evidence": f"{before}{value} at step {step}"}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 
-from sqlalchemy import or_, select
+from sqlalchemy import delete, or_, select
 from sqlmodel import Session
 
 from kb.models import Note, Run, utcnow
@@ -36,3 +36,13 @@ def resolve_mentions(session: Session, candidates: list[str]) -> list[str]:
     rows = session.execute(select(Run.id, Run.name).where(
         or_(Run.id.in_(candidates), Run.name.in_(candidates)))).all()
     return sorted({rid for rid, _ in rows})
+
+
+def drop_chunks_beyond(session: Session, source_uri: str, count: int) -> int:
+    """Remove a document's chunks numbered `count` and up, and their vectors."""
+    stale = list(session.execute(select(Note.id).where(Note.source_uri == source_uri, Note.chunk >= count)).scalars())
+    if stale:
+        session.execute(delete(Note).where(Note.id.in_(stale)))
+        for note_id in stale:
+            queue_index(session, "note", note_id)    # the indexer drops vectors of rows that are gone
+    return len(stale)

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, select
 from sqlmodel import Session
 
 from kb import curves
@@ -127,9 +127,8 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
                   "tags": {t: True for t in record.tags}}
     _bulk(session, RunField, field_rows(run_id, namespaces))
     _bulk(session, MetricPoint, [
-        {"run_id": run_id, "key": key, "step": p[0], "value": _nan_to_none(p[1]),
-         "wall_time": p[2] if len(p) > 2 else None}
-        for key, pts in metrics.items() for p in pts])
+        (run_id, key, p[0], None if p[1] != p[1] else p[1], p[2] if len(p) > 2 else None)   # NaN -> NULL
+        for key, pts in metrics.items() for p in pts], columns=("run_id", "key", "step", "value", "wall_time"))
     _bulk(session, Failure, [{"run_id": run_id, **f} for f in failures])
     _bulk(session, Anomaly, [{"run_id": run_id, **a} for a in anomalies])
     queue_index(session, "run", run_id)
@@ -159,13 +158,18 @@ def _failures(record: RunRecord, metrics: dict) -> list[dict]:
     return out
 
 
-def _bulk(session: Session, model, rows: list[dict]) -> None:
-    if rows:
-        session.execute(insert(model.__table__), rows)
-
-
-def _nan_to_none(v):
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+def _bulk(session: Session, model, rows: list, columns: tuple[str, ...] | None = None) -> None:
+    """executemany straight on the driver: curves are most of a run's rows, and SQLAlchemy's
+    per-row parameter processing cost more than SQLite's own insert."""
+    if not rows:
+        return
+    cols = columns or list(rows[0])
+    if columns is None:
+        rows = [tuple(r[c] for c in cols) for r in rows]
+    conn = session.connection()
+    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    sql = f"INSERT INTO {model.__tablename__} ({', '.join(cols)}) VALUES ({', '.join([mark] * len(cols))})"
+    conn.exec_driver_sql(sql, rows)
 
 
 def _int(v):

@@ -135,10 +135,10 @@ def test_failed_write_leaves_the_store_as_it_was(kb, tmp_path, monkeypatch):
     import kb.runs as runs_mod
     real_bulk = runs_mod._bulk
 
-    def failing_bulk(session, model, rows):
+    def failing_bulk(session, model, rows, columns=None):
         if model is MetricPoint:
             raise RuntimeError("disk full")
-        real_bulk(session, model, rows)
+        real_bulk(session, model, rows, columns)
 
     monkeypatch.setattr(runs_mod, "_bulk", failing_bulk)
     with pytest.raises(RuntimeError):
