@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 from datetime import datetime, timezone
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -44,6 +45,13 @@ from kb.errors import InvalidRecord
 from kb.records import parse_run
 
 EVENT_PREFIX = "events.out.tfevents."
+_NUMBERS = re.compile(r"(\d+)")
+
+
+def _write_order(path: Path) -> list:
+    """events.out.tfevents.<seconds>.<host>.<pid>.<counter>: numbers compare as numbers, so a
+    writer's 10th file sorts after its 9th (a plain name sort puts it first)."""
+    return [int(part) if part.isdigit() else part for part in _NUMBERS.split(path.name)]
 SKIP_DIRS = {".git", "__pycache__", ".kb", ".venv", "node_modules"}
 HF_STATE = "trainer_state.json"       # a Trainer output folder: hf-trainer reads those
 SESSION_START, SESSION_END = "_hparams_/session_start_info", "_hparams_/session_end_info"
@@ -145,7 +153,7 @@ def read_folder(folder: Path) -> FolderEvents:
 
     out = FolderEvents()
     plugins: dict[str, str] = {}        # TF2 writers attach a tag's metadata to its first value only
-    for path in sorted(p for p in folder.iterdir() if p.is_file() and _is_event_file(p.name)):
+    for path in sorted((p for p in folder.iterdir() if p.is_file() and _is_event_file(p.name)), key=_write_order):
         out.files.append(path.name)
         size, used = path.stat().st_size, 0
         for raw in RawEventFileLoader(str(path)).Load():
