@@ -57,9 +57,7 @@ class KnowledgeBase:
         return cls(settings, engine)
 
     def close(self) -> None:
-        if self._index is not None:
-            self._index.close()
-            self._index = None
+        self.release_index()
         self.engine.dispose()
 
     def __enter__(self):
@@ -213,14 +211,24 @@ class KnowledgeBase:
 
     def _open_index(self):
         if self._index is None:
+            from kb.embed import embedding_dim
             from kb.vectors import open_index
-            self._index = open_index(self.settings, self.embedder.dim)
+            # the dimension comes from the model's config, so a busy index is found out before
+            # paying for a model load
+            self._index = open_index(self.settings, embedding_dim(self.settings.embedding_model,
+                                                                 self.settings.threads))
         return self._index
+
+    def release_index(self) -> None:
+        """Let another process (a server, a watcher) take the embedded index."""
+        if self._index is not None:
+            self._index.close()
+            self._index = None
 
     def sync_index(self, progress=None):
         """Index what writers queued, after checking the index against SQL (a deleted folder, a crash)."""
         from kb import indexer
-        return indexer.sync(self.engine, self._open_index(), self.embedder, progress=progress)
+        return indexer.sync(self.engine, self._open_index(), _LazyEmbedder(self), progress=progress)
 
     def reindex(self, progress=None):
         """Rebuild the vector index from SQL, from scratch."""
@@ -228,8 +236,18 @@ class KnowledgeBase:
         index = self._open_index()
         index.delete(list(index.fingerprints()))
         indexer.queue_everything(self.engine)
-        return indexer.sync(self.engine, index, self.embedder, reconcile=False, progress=progress)
+        return indexer.sync(self.engine, index, _LazyEmbedder(self), reconcile=False, progress=progress)
 
     def search(self, text: str, limit: int = 10, where: dict | None = None) -> list:
         vector = self.embedder.encode([text])[0]
         return self.index.search(vector, limit=limit, where=where)
+
+
+class _LazyEmbedder:
+    """Loads the model on the first text to embed: a sync with nothing pending costs no model load."""
+
+    def __init__(self, kb: KnowledgeBase):
+        self.kb = kb
+
+    def encode(self, texts: list[str]):
+        return self.kb.embedder.encode(texts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import json
 import logging
 import os
 from pathlib import Path
@@ -47,6 +48,26 @@ def model_location(model: str) -> str:
     if model == DEFAULT_MODEL:
         return str(importlib.resources.files(BUNDLED_PACKAGE) / "model")
     return model
+
+
+def embedding_dim(model: str, threads: int = 1) -> int:
+    """The vector size, read from a local sentence-transformers folder's module configs when it has
+    them (opening the index must not cost a model load); else from the loaded model."""
+    folder = Path(model_location(model))
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        dim = None
+        for m in modules:
+            cfg = folder / m.get("path", "") / "config.json"
+            if m.get("type", "").endswith("Pooling") and cfg.exists():
+                dim = json.loads(cfg.read_text())["word_embedding_dimension"]
+            elif m.get("type", "").endswith("Dense") and cfg.exists():
+                dim = json.loads(cfg.read_text())["out_features"]
+        if dim:
+            return int(dim)
+    except (OSError, ValueError, KeyError):
+        pass
+    return load_embedder(model, threads).dim
 
 
 @functools.lru_cache(maxsize=None)

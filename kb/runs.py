@@ -199,6 +199,7 @@ class RunView(BaseModel):
     ended_at: datetime | None = None
     code: dict = {}
     stats: dict = {}
+    meta: dict = {}
     source: dict = {}
 
     @classmethod
@@ -206,7 +207,7 @@ class RunView(BaseModel):
         return cls(id=row.id, project=row.project, name=row.name, status=row.status, config=row.config,
                    scale=row.scale, summary=row.summary, tags=row.tags, notes=row.notes, parent=row.parent,
                    hypothesis=row.hypothesis_id, started_at=row.started_at, ended_at=row.ended_at,
-                   code=row.code, stats=row.stats,
+                   code=row.code, stats=row.stats, meta=row.meta,
                    source={"kind": row.source_kind, "uri": row.source_uri,
                            "ingested_at": row.ingested_at.isoformat(), "content_hash": row.content_hash})
 
