@@ -164,7 +164,7 @@ def main() -> None:
     import torch
     torch.set_num_threads(1)
     sizes = dict(ingest=200, mlflow=20, query=1000, repeats=14, cards=64) if args.quick else \
-        dict(ingest=2000, mlflow=100, query=10000, repeats=42, cards=400)
+        dict(ingest=2000, mlflow=2000, query=10000, repeats=42, cards=400)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         bench_ingest(tmp, sizes["ingest"], sizes["mlflow"])

@@ -71,10 +71,12 @@ class RunField(SQLModel, table=True):
 
 
 class MetricPoint(SQLModel, table=True):
-    __table_args__ = (Index("ix_metricpoint_run_key_step", "run_id", "key", "step"),)
-    id: int | None = Field(default=None, primary_key=True)
-    run_id: str = Field(foreign_key="run.id", ondelete="CASCADE")
-    key: str
+    """One curve point. Clustered by (run, key, seq) so a curve is one contiguous read and a
+    write touches one b-tree (seq is the point's position in its series; steps may repeat)."""
+    __table_args__ = {"sqlite_with_rowid": False}
+    run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
+    key: str = Field(primary_key=True)
+    seq: int = Field(primary_key=True)
     step: int = Field(sa_column=Column(BigInteger, nullable=False))
     value: float | None = Field(default=None, sa_column=Column(Float))   # NULL is NaN
     wall_time: float | None = Field(default=None, sa_column=Column(Float))

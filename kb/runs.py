@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 from sqlalchemy import delete, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session
 
 from kb import curves
@@ -127,8 +128,9 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
                   "tags": {t: True for t in record.tags}}
     _bulk(session, RunField, field_rows(run_id, namespaces))
     _bulk(session, MetricPoint, [
-        (run_id, key, p[0], None if p[1] != p[1] else p[1], p[2] if len(p) > 2 else None)   # NaN -> NULL
-        for key, pts in metrics.items() for p in pts], columns=("run_id", "key", "step", "value", "wall_time"))
+        (run_id, key, i, p[0], None if p[1] != p[1] else p[1], p[2] if len(p) > 2 else None)   # NaN -> NULL
+        for key, pts in metrics.items() for i, p in enumerate(pts)],
+        columns=("run_id", "key", "seq", "step", "value", "wall_time"))
     _bulk(session, Failure, [{"run_id": run_id, **f} for f in failures])
     _bulk(session, Anomaly, [{"run_id": run_id, **a} for a in anomalies])
     queue_index(session, "run", run_id)
@@ -136,11 +138,11 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
 
 
 def queue_index(session: Session, kind: str, ref_id: str) -> None:
-    pending = session.get(IndexPending, (kind, ref_id))
-    if pending is None:
-        session.add(IndexPending(kind=kind, ref_id=ref_id))
-    else:
-        pending.queued_at = utcnow()
+    conn = session.connection()
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    stmt = dialect.insert(IndexPending).values(kind=kind, ref_id=ref_id, queued_at=utcnow())
+    conn.execute(stmt.on_conflict_do_update(index_elements=["kind", "ref_id"],
+                                            set_={"queued_at": stmt.excluded.queued_at}))
 
 
 def _failures(record: RunRecord, metrics: dict) -> list[dict]:
@@ -227,7 +229,7 @@ def read_detail(session: Session, row: Run) -> RunDetail:
     view = RunView.of(row).model_dump()
     metrics: dict[str, list[list[Any]]] = {}
     pts = session.execute(select(MetricPoint.key, MetricPoint.step, MetricPoint.value, MetricPoint.wall_time)
-                          .where(MetricPoint.run_id == row.id).order_by(MetricPoint.key, MetricPoint.id))
+                          .where(MetricPoint.run_id == row.id).order_by(MetricPoint.key, MetricPoint.seq))
     for key, step, value, wall in pts:
         point = [step, float("nan") if value is None else value]
         if wall is not None:

@@ -165,17 +165,16 @@ def upgrade() -> None:
         batch_op.create_index(batch_op.f('ix_failure_run_id'), ['run_id'], unique=False)
 
     op.create_table('metricpoint',
-    sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('run_id', sqlmodel.sql.sqltypes.AutoString(), nullable=False),
     sa.Column('key', sqlmodel.sql.sqltypes.AutoString(), nullable=False),
+    sa.Column('seq', sa.Integer(), nullable=False),
     sa.Column('step', sa.BigInteger(), nullable=False),
     sa.Column('value', sa.Float(), nullable=True),
     sa.Column('wall_time', sa.Float(), nullable=True),
     sa.ForeignKeyConstraint(['run_id'], ['run.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('id')
+    sa.PrimaryKeyConstraint('run_id', 'key', 'seq'),
+    sqlite_with_rowid=False,
     )
-    with op.batch_alter_table('metricpoint', schema=None) as batch_op:
-        batch_op.create_index('ix_metricpoint_run_key_step', ['run_id', 'key', 'step'], unique=False)
 
     op.create_table('runfield',
     sa.Column('run_id', sqlmodel.sql.sqltypes.AutoString(), nullable=False),
@@ -198,9 +197,6 @@ def downgrade() -> None:
         batch_op.drop_index('ix_runfield_key_num')
 
     op.drop_table('runfield')
-    with op.batch_alter_table('metricpoint', schema=None) as batch_op:
-        batch_op.drop_index('ix_metricpoint_run_key_step')
-
     op.drop_table('metricpoint')
     with op.batch_alter_table('failure', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_failure_run_id'))
