@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Sequence
 
 import numpy as np
@@ -76,9 +77,12 @@ def is_grad_norm(key: str) -> bool:
 
 
 def _arrays(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
-    pts = sorted(points, key=lambda p: p[0])
-    steps = np.fromiter((p[0] for p in pts), dtype=np.int64, count=len(pts))
-    values = np.fromiter((np.nan if p[1] is None else p[1] for p in pts), dtype=float, count=len(pts))
+    steps = np.fromiter(map(itemgetter(0), points), dtype=np.int64, count=len(points))
+    values = np.array(list(map(itemgetter(1), points)), dtype=float)     # None becomes NaN
+    if len(steps) > 1 and not (steps[1:] >= steps[:-1]).all():
+        # stable, as sorting the points by step is: points logged twice at one step keep their order
+        order = np.argsort(steps, kind="stable")
+        steps, values = steps[order], values[order]
     return steps, values
 
 
@@ -92,39 +96,99 @@ def _median(y: np.ndarray, size: int, mode: str = "nearest") -> np.ndarray:
     return median_filter(y, size=min(size, _odd(len(y))), mode=mode)
 
 
+def _median_at(y: np.ndarray, size: int, at: np.ndarray) -> np.ndarray:
+    """_median(y, size, "reflect") at the indices `at` only: the same windows, so the same values."""
+    h = min(size, _odd(len(y))) // 2
+    padded = np.concatenate([y[h - 1::-1], y, y[:-h - 1:-1]])     # (d c b a | a b c d | d c b a)
+    windows = padded[at[:, None] + np.arange(2 * h + 1)]
+    return np.partition(windows, h, axis=1)[:, h]
+
+
+def _mid(a: np.ndarray) -> np.ndarray:
+    """np.median of a finite 1-d array, from one partition (np.median's checks cost more on short curves)."""
+    h = len(a) // 2
+    if len(a) % 2:
+        return np.partition(a, h)[h]
+    part = np.partition(a, (h - 1, h))
+    return (part[h - 1] + part[h]) / 2
+
+
 def _smooth(y: np.ndarray) -> np.ndarray:
     # 'nearest' repeats the end values, so a monotone curve's first point is its own median
     # wide enough to see through spikes that last up to ~2.5% of the curve
     return _median(y, _odd(max(7, min(101, len(y) // 40))))
 
 
-def _noise(y: np.ndarray, level: np.ndarray) -> np.ndarray:
-    """Local robust noise: MAD of second differences (var = 6 sigma^2 for white noise)."""
-    d2 = np.zeros_like(y)
-    if len(y) >= 3:
-        d2[1:-1] = np.abs(y[2:] - 2 * y[1:-1] + y[:-2])
-        d2[0], d2[-1] = d2[1], d2[-2]
-    window = _odd(max(51, len(y) // 20))
-    # 'reflect', not 'nearest': fifty copies of one small end value would pass for quiet noise
-    local = _median(d2, window, "reflect") * 1.4826 / np.sqrt(6)
-    overall = np.median(d2) * 1.4826 / np.sqrt(6)
-    # a locally dead-flat stretch must not make every wiggle in it "infinitely" surprising
-    return np.maximum.reduce([local, np.full_like(y, 0.5 * overall), REL_FLOOR * np.abs(level),
-                              np.full_like(y, 1e-12)])
+def _sigma(median_d2):
+    """Gaussian sigma from a median of |second differences|: MAD -> sigma, and var(d2) = 6 sigma^2."""
+    return median_d2 * 1.4826 / np.sqrt(6)
+
+
+class _Rough:
+    """One curve's rolling median and local robust noise: MAD of second differences (var = 6 sigma^2
+    for white noise). The detectors share it, and the wide median behind the local noise is only
+    taken where a question needs it: the noise never falls below a floor that is cheap to compute,
+    and most curves are clean by a margin that the floor alone proves."""
+
+    def __init__(self, y: np.ndarray):
+        self.y, self.level = y, _smooth(y)
+        d2 = np.zeros_like(y)
+        if len(y) >= 3:
+            d2[1:-1] = np.abs(y[2:] - 2 * y[1:-1] + y[:-2])
+            d2[0], d2[-1] = d2[1], d2[-2]
+        self.d2 = d2
+        self.window = _odd(max(51, len(y) // 20))
+        # finite second differences (y itself is finite) make every noise value finite and positive:
+        # then a bound drawn from the floor decides exactly what the full noise would
+        self.exact = bool(np.isfinite(d2).all())
+        self.overall = _sigma(_mid(d2) if self.exact else np.median(d2))
+        self._noise: np.ndarray | None = None
+
+    def floor(self) -> np.ndarray:
+        # a locally dead-flat stretch must not make every wiggle in it "infinitely" surprising
+        return np.maximum(REL_FLOOR * np.abs(self.level), max(0.5 * self.overall, 1e-12))
+
+    def noise(self) -> np.ndarray:
+        if self._noise is None:
+            # 'reflect', not 'nearest': fifty copies of one small end value would pass for quiet noise
+            local = _sigma(_median(self.d2, self.window, "reflect"))
+            y = self.y
+            self._noise = np.maximum.reduce([local, np.full_like(y, 0.5 * self.overall),
+                                             REL_FLOOR * np.abs(self.level), np.full_like(y, 1e-12)])
+        return self._noise
+
+    def below(self, resid: np.ndarray, threshold: float) -> bool:
+        """True when no point's z = resid / noise can exceed threshold (False: it may)."""
+        if not self.exact:
+            return False
+        floor = self.floor()
+        # z <= resid / floor everywhere: division rounds monotonically in the divisor
+        maybe = np.flatnonzero(resid / floor > threshold)
+        if not len(maybe):
+            return True
+        if len(maybe) * self.window > 4 * len(resid):
+            return False
+        noise = np.maximum(_sigma(_median_at(self.d2, self.window, maybe)), floor[maybe])
+        return bool((resid[maybe] / noise <= threshold).all())
 
 
 def _spikes(kind: str, key: str, steps: np.ndarray, y: np.ndarray, shown: np.ndarray,
-            threshold: float) -> list[Finding]:
+            threshold: float, rough: _Rough | None = None) -> list[Finding]:
     """Upward spikes of y; `shown` holds the values reported in the evidence (y may be a log)."""
     if len(y) < 10:
         return []
-    base = _smooth(y)
-    z = (y - base) / _noise(y, base)
+    rough = rough or _Rough(y)
+    base = rough.level
+    resid = y - base
+    # the bar below is never under `threshold`, so a curve clear of it has no spike
+    if rough.below(resid, threshold):
+        return []
+    z = resid / rough.noise()
     # heavy-tailed noise earns a higher bar: spikes go up, so the downward tail measures the noise
     threshold = max(threshold, 2.0 * float(np.quantile(-z, 0.999)))
     hot = np.flatnonzero(z > threshold)
     out: list[Finding] = []
-    shown_base = _smooth(shown)
+    shown_base = base if shown is y else _smooth(shown)
     # consecutive flagged points are one event, reported at its peak
     for group in np.split(hot, np.flatnonzero(np.diff(hot) > 1) + 1) if len(hot) else []:
         i = int(group[np.argmax(z[group])])
@@ -135,11 +199,8 @@ def _spikes(kind: str, key: str, steps: np.ndarray, y: np.ndarray, shown: np.nda
     return out
 
 
-def _divergence(key: str, steps: np.ndarray, y: np.ndarray) -> Finding | None:
-    """The smoothed loss climbs far above its running best and never comes back."""
-    if len(y) < 10:
-        return None
-    s = _smooth(y)
+def _divergence(key: str, steps: np.ndarray, y: np.ndarray, s: np.ndarray) -> Finding | None:
+    """The smoothed loss s climbs far above its running best and never comes back."""
     best = np.minimum.accumulate(s)
     excess = s - best
     # far above the best in relative terms, and a real share of what the run had learnt so far
@@ -159,37 +220,47 @@ def _divergence(key: str, steps: np.ndarray, y: np.ndarray) -> Finding | None:
                    f"vs its best {best[start]:.4g} at step {steps[b]}")
 
 
-def _log_drop(x: np.ndarray, s: np.ndarray, sigma: float, lo: float, hi: float) -> tuple[float, float, int]:
-    """How much the smoothed curve fell over log-steps [lo, hi), from a fitted line; its standard error; count."""
+def _log_drop(x: np.ndarray, s: np.ndarray, lo: float, hi: float) -> tuple[float, float, int]:
+    """How much the smoothed curve fell over log-steps [lo, hi), from a fitted line; the spread of
+    those log-steps (root of their sum of squares about the mean; 0 where no line fits); count."""
     mask = (x >= lo) & (x < hi)
     n = int(mask.sum())
     if n < 3:
-        return 0.0, math.inf, n
+        return 0.0, 0.0, n
     xs, v = x[mask], s[mask]
-    sxx = float(((xs - xs.mean()) ** 2).sum())
+    dx = xs - xs.sum() / n          # sum / n is what .mean() computes, without its overhead
+    sxx = float((dx * dx).sum())
     if sxx <= 0:
-        return 0.0, math.inf, n
-    slope = float(((xs - xs.mean()) * (v - v.mean())).sum() / sxx)
-    return -slope * (hi - lo), sigma * (hi - lo) / math.sqrt(sxx), n
+        return 0.0, 0.0, n
+    slope = float((dx * (v - v.sum() / n)).sum() / sxx)
+    return -slope * (hi - lo), math.sqrt(sxx), n
 
 
-def _plateau(key: str, steps: np.ndarray, y: np.ndarray) -> Finding | None:
+def _stderr(sigma: float, lo: float, hi: float, spread: float) -> float:
+    """Standard error of a _log_drop over [lo, hi) on noise sigma."""
+    return sigma * (hi - lo) / spread if spread else math.inf
+
+
+def _plateau(key: str, steps: np.ndarray, rough: _Rough) -> Finding | None:
     """No meaningful improvement over the last doubling of steps, relative to the doubling before.
 
     Losses fall roughly as a power of the step, so a healthy run improves by a similar amount
     per doubling (a power law with exponent 0.5 keeps ~70% of its pace); a run that stopped
     learning keeps almost none of it."""
-    if len(y) < 50:
-        return None
-    s = _smooth(y)
+    s = rough.level
     x = np.log2(steps.astype(float) + 1)
     top = float(x[-1])
-    sigma = float(np.median(_noise(y, s)))
-    tail, se_tail, n_tail = _log_drop(x, s, sigma, top - 1, top + 1e-9)
-    prev, se_prev, n_prev = _log_drop(x, s, sigma, top - 2, top - 1)
+    (t_lo, t_hi), (p_lo, p_hi) = (top - 1, top + 1e-9), (top - 2, top - 1)
+    tail, spread_tail, n_tail = _log_drop(x, s, t_lo, t_hi)
+    prev, spread_prev, n_prev = _log_drop(x, s, p_lo, p_hi)
     if n_tail < 20 or n_prev < 10:
         return None
-    # the doubling before must itself be a clear improvement, and the last one clearly below its pace
+    # the doubling before must itself be a clear improvement, and the last one clearly below its pace;
+    # finite noise only widens both margins, so a run that failed them without it is healthy
+    if rough.exact and (prev <= 0 or tail >= PLATEAU_RATIO * prev):
+        return None
+    sigma = float(np.median(rough.noise()))
+    se_tail, se_prev = _stderr(sigma, t_lo, t_hi, spread_tail), _stderr(sigma, p_lo, p_hi, spread_prev)
     if prev <= 3 * se_prev or tail + 2 * se_tail >= PLATEAU_RATIO * prev:
         return None
     level = float(np.median(s[-max(5, n_tail // 5):]))
@@ -227,13 +298,16 @@ def _judge(key: str, kind: str, steps: np.ndarray, values: np.ndarray) -> list[F
         prior = f" (last finite {y[-1]:.4g} at step {st[-1]})" if len(y) else ""
         out.append(Finding("divergence", key, int(steps[end]), None, None,
                            f"{key} became {values[end]} at step {steps[end]}{prior}"))
-    div = None if len(bad) else _divergence(key, st, y)
-    # past a blow-up every point is "high": the divergence is the one finding there
-    cut = int(np.searchsorted(st, div.step)) if div else len(y)
-    out[:0] = _spikes("loss_spike", key, st[:cut], y[:cut], y[:cut], SPIKE_Z)
+    if len(y) < 10:         # too short for any curve test
+        return out
+    rough = _Rough(y)       # one smoothing and one noise estimate serve all three tests
+    div = None if len(bad) else _divergence(key, st, y, rough.level)
     if div:
-        out.append(div)
-    elif not len(bad) and (p := _plateau(key, st, y)):
+        # past a blow-up every point is "high": the divergence is the one finding there
+        before = y[:int(np.searchsorted(st, div.step))]
+        return _spikes("loss_spike", key, st[:len(before)], before, before, SPIKE_Z) + [div]
+    out[:0] = _spikes("loss_spike", key, st, y, y, SPIKE_Z, rough)
+    if not len(bad) and len(y) >= 50 and (p := _plateau(key, st, rough)):
         out.append(p)
     return out
 

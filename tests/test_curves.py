@@ -172,3 +172,30 @@ def test_many_points_are_handled():
     found = find_anomalies({"train/loss": points(t, y), "grad_norm": points(t, np.abs(y) / 3)})
     assert [(f.kind, f.step) for f in found if f.key == "train/loss"] == [("loss_spike", 2500), ("loss_spike", 7000)]
     assert all(math.isfinite(f.score) for f in found)
+
+
+@pytest.mark.parametrize("n", [10, 11, 12, 50, 51, 52, 200, 1001, 1100])
+def test_noise_at_some_points_is_the_noise_everywhere_there(n):
+    from kb.curves import _median, _median_at
+
+    d2 = np.abs(np.random.default_rng(n).standard_normal(n)) ** 3
+    d2[n // 3: n // 3 + 5] = 0.0                       # ties and a dead-flat stretch
+    for size in (7, 51, 501):
+        assert np.array_equal(_median_at(d2, size, np.arange(n)), _median(d2, size, "reflect"))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_cheap_bound_never_clears_a_curve_the_full_noise_would_flag(seed):
+    from kb.curves import _Rough
+
+    t, y = power_law(seed, n=300, noise=0.01)
+    rng = np.random.default_rng(seed)
+    y[rng.integers(20, 280, 3)] *= 1 + rng.uniform(0.0, 0.08, 3)    # from invisible to just visible
+    rough = _Rough(y)
+    resid = y - rough.level
+    z = resid / rough.noise()
+    for threshold in (2.0, 4.0, 6.0, 8.0, 12.0):
+        if rough.below(resid, threshold):
+            assert (z <= threshold).all()
+        elif (resid / rough.floor() > threshold).sum() * rough.window <= 4 * len(y):
+            assert (z > threshold).any()                # few candidates: the answer is exact both ways
