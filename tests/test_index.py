@@ -89,3 +89,16 @@ def test_writers_work_while_another_process_holds_the_index(settings, tmp_path):
         holder.communicate("\n", timeout=60)
     with KnowledgeBase.open(settings) as k:       # the next holder indexes what is pending
         assert k.index.count() == 3 and k.pending_index() == 0
+
+
+def test_cli_ingest_of_unchanged_runs_restores_a_deleted_index(settings, tmp_path):
+    import os
+    env = dict(os.environ, KB_HOME=str(settings.home), KB_DATABASE_URL=settings.database_url)
+    kb_bin = shutil.which("kb") or str(__import__("pathlib").Path(sys.executable).parent / "kb")
+    path = write(tmp_path)
+    subprocess.run([kb_bin, "ingest", path], env=env, check=True, capture_output=True)
+    shutil.rmtree(settings.home / "qdrant")
+    out = subprocess.run([kb_bin, "ingest", path, "--json"], env=env, check=True, capture_output=True, text=True)
+    assert json.loads(out.stdout)["unchanged"] == 3
+    with KnowledgeBase.open(settings) as k:
+        assert k.pending_index() == 0 and k._open_index().count() == 3

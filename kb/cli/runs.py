@@ -29,7 +29,7 @@ def ingest(obj, paths, fmt, project, no_index, as_json):
         task = bar.add_task("ingesting", total=None)
         report = k.ingest(*paths, format=fmt, project=project, index=False,
                           progress=lambda src, n: bar.update(task, completed=n, description=_short(src)))
-    if not no_index and (report.added or report.updated or k.pending_index()):
+    if not no_index:       # also reconciles: a lost or stale index is rebuilt from SQL here
         from kb.errors import IndexBusy
         try:
             with _progress() as bar:
