@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
@@ -22,6 +22,7 @@ from kb.runs import RunDetail, RunView, read_detail, write_run
 from kb.settings import Settings
 
 log = logging.getLogger(__name__)
+ANALYZE_AFTER = 1000     # runs written in one ingest before Postgres statistics are refreshed
 
 
 @dataclass
@@ -148,6 +149,12 @@ class KnowledgeBase:
         for project in sorted(report.projects):
             with Session(self.engine) as s, s.begin():
                 refresh(s, project)
+        if self.engine.dialect.name == "postgresql" and report.added + report.updated > ANALYZE_AFTER:
+            # fresh statistics after a bulk load, in case autovacuum is off or behind
+            with self.engine.connect() as conn:
+                conn.execute(text("ANALYZE runfield"))
+                conn.execute(text("ANALYZE run"))
+                conn.commit()
         if index and (report.added or report.updated):
             try:
                 self.sync_index()
@@ -158,14 +165,13 @@ class KnowledgeBase:
 
     def runs(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
              project: str | None = None) -> list[RunView]:
-        from kb.query import compile_sort, compile_where
+        from kb.query import apply_query
 
-        stmt = select(Run)
-        if where:
-            stmt = stmt.where(compile_where(where))
+        stmt = apply_query(select(Run), where=where, sort=sort)
         if project:
             stmt = stmt.where(Run.project == project)
-        stmt = stmt.order_by(*(compile_sort(sort) if sort else [Run.project, Run.name, Run.id]))
+        if not sort:
+            stmt = stmt.order_by(Run.project, Run.name, Run.id)
         if limit:
             stmt = stmt.limit(limit)
         with Session(self.engine) as s:

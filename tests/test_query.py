@@ -1,6 +1,6 @@
 """The --where / --sort language: hand-written cases, SQL vs the reference evaluator on random
 records and expressions (SQLite, and Postgres when KB_TEST_DATABASE_URL is set), sorting vs
-Python's sort, and the errors a person sees.
+Python's sort, the joined form `apply_query` vs both, and the errors a person sees.
 
     KB_TEST_DATABASE_URL=postgresql://postgres@127.0.0.1/test pytest tests/test_query.py -q
 """
@@ -19,7 +19,7 @@ from sqlmodel import Session
 from kb.errors import QueryError
 from kb.fields import NAMESPACES, field_rows, lookup, typed
 from kb.models import Run, RunField
-from kb.query import (COLUMNS, And, Compare, Exists, In, Not, Or, compile_sort, compile_where,
+from kb.query import (COLUMNS, And, Compare, Exists, In, Not, Or, apply_query, compile_sort, compile_where,
                       evaluate, parse, parse_sort, render)
 
 T0 = datetime(2024, 5, 1, tzinfo=timezone.utc)
@@ -252,8 +252,8 @@ def literal_for(key) -> st.SearchStrategy:
 
 
 @st.composite
-def predicates(draw):
-    key = draw(st.sampled_from(ALL_KEYS))
+def predicates(draw, keys=st.sampled_from(ALL_KEYS)):
+    key = draw(keys)
     kind = draw(st.sampled_from(["cmp", "cmp", "cmp", "in", "exists"]))
     if kind == "exists":
         return Exists(key)
@@ -351,6 +351,85 @@ def test_sort_hand(hand):
         rows = conn.execute(select(Run.id).where(compile_where("project = 'a'"))
                             .order_by(*compile_sort("-started_at"))).scalars().all()
     assert rows == ["r1", "r4"]
+
+
+# ---- apply_query: filters and sort keys as joins ------------------------------------------
+
+def joined_order(engine, where, sort) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(apply_query(select(Run.id), where, sort)).scalars())
+
+
+@st.composite
+def filtered_sorts(draw):
+    """A sort key and a where clause whose top-level `and` often tests that same key (the case
+    where a filter pins the key's type and the order comes straight from its index)."""
+    key = draw(st.sampled_from(ALL_KEYS))
+    parts = draw(st.lists(st.one_of(predicates(st.just(key)), expressions), max_size=3))
+    node = None if not parts else parts[0] if len(parts) == 1 else And(tuple(parts))
+    return node, key, draw(st.booleans())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=filtered_sorts())
+def test_apply_query_matches_reference(populated, case):
+    node, key, desc = case
+    spec = ("-" if desc else "") + render(Exists(key)).removesuffix(" exists")
+    keep = {r["id"] for r in RECORDS if node is None or evaluate(node, r)}
+    want = [i for i in python_order(RECORDS, key, desc) if i in keep]
+    text = None if node is None else render(node)
+    assert joined_order(populated, text, spec) == want, (text, spec)
+    if node is not None:                                      # a Node works as its text does
+        assert joined_order(populated, node, spec) == want, (text, spec)
+        assert set(joined_order(populated, node, None)) == keep, text
+
+
+def test_apply_query_hand(hand):
+    assert joined_order(hand, None, '-summary."val/loss"') == ["r2", "r3", "r1", "r4"]
+    assert joined_order(hand, "summary.val/loss > 0", "-summary.val/loss") == ["r2", "r3", "r1"]
+    assert joined_order(hand, "summary.val/loss >= 'a'", "summary.val/loss") == ["r4"]       # 'nan'
+    assert joined_order(hand, "(project = 'a' and config.optim exists) and lr > 0", "-started_at") == ["r1"]
+    assert joined_order(hand, "config.flag in (1, true)", "config.flag") == ["r2", "r1"]          # mixed types
+    assert joined_order(hand, "config.flag in (1, true) and config.flag != 2", "-config.flag") == ["r2"]
+    assert joined_order(hand, "config.optim.lr > 0 and config.optim.lr < 1e-3", "config.optim.lr") == ["r1"]
+    assert joined_order(hand, "config.optim.lr = 'x' and config.optim.lr = 3e-4", "config.optim.lr") == []
+    assert set(joined_order(hand, "status = 'completed' and not summary.val/loss < 3.5", None)) == {"r3"}
+    # a cached plan must not mistake true for 1.0 (they are equal, and hash alike, in Python)
+    assert joined_order(hand, Compare(("config", "flag"), "=", True), "id") == ["r1"]
+    assert joined_order(hand, Compare(("config", "flag"), "=", 1.0), "id") == ["r2"]
+
+
+BENCH = "config.optim.lr = 0.0003 and summary.val_loss < 3.6"
+
+
+def test_apply_query_joins_instead_of_subqueries():
+    """Each tested key is one inner join, the sort key reuses its filter's join, and a pinned
+    number type orders by the indexed column alone; an unfiltered sort key is one outer join."""
+    sql = str(apply_query(select(Run.id), BENCH, "summary.val_loss").compile())
+    assert sql.count("JOIN runfield AS") == 2 and "LEFT OUTER" not in sql
+    assert "IN (SELECT" not in sql and "CASE" not in sql
+    assert sql.count("EXISTS (SELECT") == 2                 # each joined test, asked once of the table
+    assert "ORDER BY rf2.num ASC, run.id ASC" in sql
+    sql = str(apply_query(select(Run.id), "config.optim.lr = 0.0003", "-summary.val_loss").compile())
+    assert sql.count("LEFT OUTER JOIN runfield AS") == 1 and sql.count("JOIN runfield AS") == 2
+    assert "CASE rf2.vtype" in sql and "rf2.num DESC" in sql
+    sql = str(apply_query(select(Run.id), "config.x = 1 or config.y = 2", "lr").compile())
+    assert "JOIN" not in sql and sql.count("IN (SELECT") == 2
+
+
+def test_sqlite_walks_the_sort_index_and_stops_at_the_limit(engine):
+    """With a LIMIT the plan starts from the sort key's (key, vtype, num) range, already in order,
+    so it can stop after the first match; the old form sorted every candidate (a temp b-tree
+    for the whole ORDER BY)."""
+    if engine.dialect.name != "sqlite":
+        pytest.skip("SQLite's EXPLAIN QUERY PLAN")
+    stmt = apply_query(select(Run.id), BENCH, "summary.val_loss").limit(1)
+    with engine.connect() as conn:
+        sql = str(stmt.compile(conn, compile_kwargs={"literal_binds": True}))
+        plan = [row[3] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
+    assert plan[0].startswith("SEARCH rf2 USING ") and "ix_runfield_key_num (key=? AND vtype=? AND num<?)" in plan[0]
+    assert "USE TEMP B-TREE FOR ORDER BY" not in plan
+    assert not any("LIST SUBQUERY" in step or "CORRELATED" in step for step in plan)   # guards run once
 
 
 def test_parse_sort():
