@@ -80,15 +80,16 @@ class KnowledgeBase:
         from ingest.detect import resolve
 
         report = IngestReport()
-        for target in targets:
-            for source, ingester in resolve(str(target), format):
-                for item in ingester.read(source):
-                    if isinstance(item, Parsed):
-                        self._store(item, project, report)
-                    else:
-                        report.failed.append(item.error.as_dict())
-                    if progress:
-                        progress(source, report.added + report.updated + report.unchanged + len(report.failed))
+        # resolve every target first: a mistyped second path fails before anything is written
+        plan = [pair for target in targets for pair in resolve(str(target), format)]
+        for source, ingester in plan:
+            for item in ingester.read(source):
+                if isinstance(item, Parsed):
+                    self._store(item, project, report)
+                else:
+                    report.failed.append(item.error.as_dict())
+                if progress:
+                    progress(source, report.added + report.updated + report.unchanged + len(report.failed))
         self._after_writes(report, index)
         report.pending_index = self.pending_index()
         return report

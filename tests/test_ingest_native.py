@@ -158,3 +158,11 @@ def test_promoted_columns_and_derived_scale(kb, tmp_path):
     with Session(kb.engine) as s:
         row = s.get(Run, "derived")
         assert (row.lr, row.batch_size, row.params) == (1e-3, 8, run.scale["params"])
+
+
+def test_a_missing_second_path_fails_before_anything_is_written(kb, tmp_path):
+    from kb.errors import UnknownFormat
+    good = write_jsonl(tmp_path / "good.jsonl", [RECORD])
+    with pytest.raises(UnknownFormat, match="nope.jsonl"):
+        kb.ingest(str(good), str(tmp_path / "nope.jsonl"), index=False)
+    assert kb.runs() == []

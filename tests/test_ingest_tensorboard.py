@@ -6,7 +6,6 @@ Run: pytest tests/test_ingest_tensorboard.py -q
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
