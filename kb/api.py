@@ -166,7 +166,7 @@ class KnowledgeBase:
 
     def runs(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
              project: str | None = None) -> list[RunView]:
-        from kb.query import apply_query
+        from kb.query_sql import apply_query
 
         stmt = apply_query(select(Run), where=where, sort=sort)
         if project:

@@ -19,8 +19,8 @@ from sqlmodel import Session
 from kb.errors import QueryError
 from kb.fields import NAMESPACES, field_rows, lookup, typed
 from kb.models import Run, RunField
-from kb.query import (COLUMNS, And, Compare, Exists, In, Not, Or, apply_query, compile_sort, compile_where,
-                      evaluate, parse, parse_sort, render)
+from kb.query import COLUMNS, And, Compare, Exists, In, Not, Or, evaluate, parse, parse_sort, render
+from kb.query_sql import apply_query, compile_sort, compile_where
 
 T0 = datetime(2024, 5, 1, tzinfo=timezone.utc)
 RUN_COLUMNS = ("id", "project", "name", "status", "parent", "source_kind", "source_uri", "lr", "batch_size",
