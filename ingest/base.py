@@ -6,9 +6,10 @@ transaction per run, so every source shares one tested write path.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol, Union
+from typing import Any, Iterator, Protocol, Union
 
 from kb.errors import InvalidRecord
 from kb.records import NoteRecord, RunRecord
@@ -56,3 +57,19 @@ def register(name: str):
 
 def rejected(source: Path | str, error: str, *, line: int | None = None, field: str = "") -> Rejected:
     return Rejected(InvalidRecord(error, source=str(source), line=line, field=field))
+
+
+def read_json_file(path: Path) -> tuple[Any, Rejected | None]:
+    """(data, None), or (None, a Rejected naming the byte, line or column that is wrong)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        return None, rejected(path, f"cannot read: {exc.strerror or exc}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, rejected(path, f"not UTF-8 (byte {exc.start})", line=raw[:exc.start].count(b"\n") + 1)
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, rejected(path, f"invalid JSON: {exc.msg} (column {exc.colno})", line=exc.lineno)

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from ingest.base import Item, Parsed, register, rejected
+from ingest.base import Item, Parsed, read_json_file, register, rejected
 from kb.errors import InvalidRecord
 from kb.records import parse_run
 
@@ -22,25 +22,19 @@ class NativeIngester:
 
     def read(self, target: str) -> Iterator[Item]:
         path = Path(target)
-        raw = path.read_bytes()
         if path.suffix == ".json":
-            yield from self._read_json(path, raw)
+            yield from self._read_json(path)
             return
+        raw = path.read_bytes()
         for lineno, line in enumerate(raw.split(b"\n"), start=1):
             if not line.strip():
                 continue
             yield _parse(path, lineno, line)
 
-    def _read_json(self, path: Path, raw: bytes) -> Iterator[Item]:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield rejected(path, f"not UTF-8 (byte {exc.start})", line=raw[:exc.start].count(b"\n") + 1)
-            return
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            yield rejected(path, f"invalid JSON: {exc.msg} (column {exc.colno})", line=exc.lineno)
+    def _read_json(self, path: Path) -> Iterator[Item]:
+        data, error = read_json_file(path)
+        if error:
+            yield error
             return
         if isinstance(data, list):
             # a list of records: each is reported by its index, as lines are meaningless here

@@ -58,7 +58,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from ingest.base import Item, Parsed, register, rejected
+from ingest.base import Item, Parsed, read_json_file, register, rejected
 from kb.errors import InvalidRecord
 from kb.records import parse_run
 
@@ -322,21 +322,20 @@ def _history_row(history, metrics: dict[str, list]) -> float | None:
 # -- exports ----------------------------------------------------------------------------------
 
 def _read_export(path: Path) -> Iterator[Item]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        yield rejected(path, f"not UTF-8 (byte {exc.start})")
-        return
-    except OSError as exc:
-        yield rejected(path, f"cannot read: {exc.strerror or exc}")
-        return
     if path.suffix == ".csv":
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            yield rejected(path, f"not UTF-8 (byte {exc.start})")
+            return
+        except OSError as exc:
+            yield rejected(path, f"cannot read: {exc.strerror or exc}")
+            return
         yield from _read_csv(path, text)
         return
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        yield rejected(path, f"invalid JSON: {exc.msg} (column {exc.colno})", line=exc.lineno)
+    data, error = read_json_file(path)
+    if error:
+        yield error
         return
     project = None
     if isinstance(data, dict) and isinstance(data.get("runs"), list):
