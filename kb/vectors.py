@@ -37,6 +37,7 @@ ID_FIELD = "point_id"
 HASH_FIELD = "card_hash"
 INDEXED_FIELDS = ("kind", "project", "status")      # what retrieval filters on
 ID_NAMESPACE = uuid.UUID("5b0f3c1e-8a7d-4c52-9a51-6e0b1f2d7c43")   # fixed forever: ids must not move
+SCROLL_PAGE = 2048
 BATCH = 512
 
 
@@ -75,6 +76,18 @@ def open_index(settings, dim: int) -> VectorIndex:
         return ClientIndex(client, settings.collection, dim, model=settings.embedding_model)
     return EdgeIndex.open(settings.qdrant_path / settings.collection, dim,
                           model=settings.embedding_model, threads=settings.threads)
+
+
+def _fingerprints(scroll) -> dict[str, str]:
+    """id -> card hash of every point, paging with `scroll(offset) -> (records, next_offset)`."""
+    out, offset = {}, None
+    while True:
+        records, offset = scroll(offset)
+        for r in records:
+            payload = r.payload or {}
+            out[payload.get(ID_FIELD, str(r.id))] = payload.get(HASH_FIELD, "")
+        if offset is None:
+            return out
 
 
 def _batches(items: Sequence, size: int = BATCH) -> Iterable[Sequence]:
@@ -165,15 +178,9 @@ class EdgeIndex:
 
     def fingerprints(self) -> dict[str, str]:
         import qdrant_edge as qe
-        out, offset = {}, None
         fields = qe.PayloadSelector.Include([ID_FIELD, HASH_FIELD])
-        while True:
-            records, offset = self.shard.scroll(qe.ScrollRequest(offset=offset, limit=2048, with_payload=fields))
-            for r in records:
-                payload = r.payload or {}
-                out[payload.get(ID_FIELD, str(r.id))] = payload.get(HASH_FIELD, "")
-            if offset is None:
-                return out
+        return _fingerprints(lambda offset: self.shard.scroll(
+            qe.ScrollRequest(offset=offset, limit=SCROLL_PAGE, with_payload=fields)))
 
     def count(self) -> int:
         import qdrant_edge as qe
@@ -251,15 +258,8 @@ class ClientIndex:
         return [_hit(str(p.id), p.score, p.payload) for p in res.points]
 
     def fingerprints(self) -> dict[str, str]:
-        out, offset = {}, None
-        while True:
-            records, offset = self.client.scroll(self.collection, limit=2048, offset=offset,
-                                                 with_payload=[ID_FIELD, HASH_FIELD])
-            for r in records:
-                payload = r.payload or {}
-                out[payload.get(ID_FIELD, str(r.id))] = payload.get(HASH_FIELD, "")
-            if offset is None:
-                return out
+        return _fingerprints(lambda offset: self.client.scroll(
+            self.collection, limit=SCROLL_PAGE, offset=offset, with_payload=[ID_FIELD, HASH_FIELD]))
 
     def count(self) -> int:
         return self.client.count(self.collection, exact=True).count
