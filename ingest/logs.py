@@ -27,15 +27,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
-from ingest.base import Item, Parsed, register, rejected
+from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import INT64, parse_run
+from kb.failures import FATAL, classify, trim as _trim
+from kb.records import INT64, Item, Parsed, parse_run
 
 HEAD_BYTES = 256 * 1024      # detection reads this much of a .txt, and 8x more of a .log/.out/.err:
 NAMED_HEAD_BYTES = 2 * 1024 * 1024   # Megatron's argument dump and NCCL's INFO lines come first
 TAIL_LINES = 50
-EVIDENCE_LINES = 8
-LINE_CAP = 300               # evidence lines are trimmed: a tensor repr can be megabytes
 
 # a nan followed by "word:" is part of a name (Megatron's "number of nan iterations: 0")
 NUM = r"[-+]?(?:nan|inf(?:inity)?)\b(?!\s+[a-z]+\s*:)|[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
@@ -63,26 +62,6 @@ GRAD_NORMS = {"norm", "grad norm", "gradient norm", "grad-norm", "gnorm", "total
 MLLOG_CONTROL = {"init_start", "init_stop", "run_start", "run_stop", "block_start", "block_stop",
                  "epoch_start", "epoch_stop", "eval_start", "eval_stop", "cache_clear"}
 MLLOG_STEP = ("step", "step_num", "samples_count", "epoch_num")
-
-# Failure signatures. Matching is per line, after the rank prefix is removed.
-HARDWARE = re.compile(r"\bXid\b|\bECC error|uncorrectable|double[- ]bit|fallen off the bus|GPU is lost"
-                      r"|NVLink error", re.I)
-OOM = re.compile(r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|RESOURCE_EXHAUSTED", re.I)
-NCCL = re.compile(r"Watchdog caught collective operation timeout|NCCL watchdog|collective operation timeout"
-                  r"|ProcessGroupNCCL.*timed out|\bNCCL (?:error|timeout)\b|\bnccl\w*Error\b"
-                  r"|NCCL communicator was aborted|DistBackendError", re.I)
-DIVERGED = re.compile(r"\bloss\b.{0,30}?(?:\b(?:is|became|went)\b|[=:])\s*[-+]?(?:nan|inf)\b|\bnan loss\b"
-                      r"|non-finite loss|\bloss (?:has )?diverged\b", re.I)
-TIMEOUT = re.compile(r"DUE TO TIME LIMIT|time limit (?:exceeded|reached)", re.I)
-CRASH = re.compile(r"Segmentation fault|core dumped|\bSIGSEGV\b|\bSIGABRT\b|^Aborted\b")
-KILLED = re.compile(r"\bKilled\b|\bSIG(?:KILL|TERM|INT|HUP)\b|exited with signal|(?:terminated|killed) by signal"
-                    r"|received signal|Signal \d+ \(SIG\w+\)|\bCANCELLED\b|exitcode: -9")
-FATAL = re.compile("|".join(p.pattern for p in (HARDWARE, OOM, NCCL, DIVERGED, TIMEOUT, CRASH, KILLED))
-                   + r"|Traceback \(most recent call last\)", re.I)
-TRACEBACK = "Traceback (most recent call last):"
-EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
-WRAPPERS = ("ChildFailedError",)     # torchrun's summary of a child that died: the cause is elsewhere
-
 
 # ---- one line ---------------------------------------------------------------------------
 
@@ -244,97 +223,6 @@ def _json_block(lines: list[str], i: int) -> tuple[dict | None, int]:
     return None, i + 1
 
 
-# ---- failures --------------------------------------------------------------------------------
-
-def _trim(line: str) -> str:
-    line = line.rstrip()
-    return line if len(line) <= LINE_CAP else line[:LINE_CAP] + " ..."
-
-
-def _tracebacks(lines: list[str], ranks: list[int | None]) -> list[tuple[int, int, str]]:
-    """Every Python traceback as (first line, exception line, exception text); frames of one rank only."""
-    out = []
-    for t, text in enumerate(lines):
-        if not text.lstrip().startswith(TRACEBACK):
-            continue
-        for j in range(t + 1, min(len(lines), t + 500)):
-            if ranks[j] != ranks[t]:
-                continue                        # another rank's output interleaved with this one
-            body = lines[j]
-            if not body.strip() or body[:1].isspace():
-                continue                        # frames are indented
-            if EXC_LINE.match(body.strip()) and not body.startswith(("During handling", "The above exception")):
-                out.append((t, j, body.strip()))
-            break
-    return out
-
-
-def _step_before(events: list[tuple[int, int | None, dict]], index: int) -> int | None:
-    step = None
-    for i, s, _ in events:
-        if i > index:
-            break
-        if s is not None:
-            step = s
-    return step
-
-
-def _evidence(lines: list[str], ranks: list[int | None], index: int, blocks: list[tuple[int, int, str]]) -> str:
-    for start, end, _ in blocks:
-        if start <= index <= end:
-            body = [lines[k] for k in range(start, end + 1) if lines[k].strip() and ranks[k] == ranks[start]]
-            return "\n".join(_trim(x) for x in body[-EVIDENCE_LINES:])
-    near = [lines[k] for k in range(max(0, index - 1), min(len(lines), index + 3)) if lines[k].strip()]
-    return "\n".join(_trim(x) for x in near)
-
-
-def _classify(lines: list[str], ranks: list[int | None], events: list[tuple[int, int | None, dict]]) -> dict | None:
-    blocks = _tracebacks(lines, ranks)
-    hits: dict[str, int] = {}
-    metric_lines = {i for i, _, _ in events}
-    # a signal ends a run, so it counts only near the end ("installed SIGTERM handler" at the top does not)
-    tail = len(lines) - TAIL_LINES
-    for i, text in enumerate(lines):
-        if i in metric_lines or not FATAL.search(text):      # a metric line's NaN is read from its values
-            continue
-        for kind, pattern in (("hardware", HARDWARE), ("oom", OOM), ("nccl_timeout", NCCL), ("diverged", DIVERGED),
-                              ("timeout", TIMEOUT), ("other", CRASH), ("killed", KILLED)):
-            if kind not in hits and pattern.search(text) and (i >= tail or kind not in ("other", "killed")):
-                hits[kind] = i
-    nonfinite = next(((i, s, n, v) for i, s, vals in events for n, v in vals.items()
-                      if n.endswith("loss") and not math.isfinite(v)), None)
-    if nonfinite and "hardware" not in hits and nonfinite[0] <= hits.get("diverged", nonfinite[0]):
-        i, step, name, value = nonfinite
-        prior = [lines[k] for k, s, _ in events if k < i][-1:]
-        return {"kind": "diverged", "step": step, "message": f"{name} is {value} at step {step}",
-                "evidence": "\n".join(_trim(x) for x in prior + [lines[i]])}
-    # hardware explains what follows it; among the rest the earliest in the log is the cause
-    root = ["hardware"] if "hardware" in hits else []
-    root = root or sorted((k for k in ("oom", "diverged", "nccl_timeout", "timeout") if k in hits), key=hits.get)[:1]
-    if root:
-        i = hits[root[0]]
-        # raised inside a traceback: the error happened before its first line was printed
-        at = next((start for start, end, _ in blocks if start <= i <= end), i)
-        return {"kind": root[0], "step": _step_before(events, at), "message": _trim(lines[i].strip()),
-                "evidence": _evidence(lines, ranks, i, blocks)}
-    real = [b for b in blocks if not any(w in b[2].split(":")[0] for w in WRAPPERS)]
-    if real:
-        start, end, exc = real[-1]
-        kind = "killed" if exc.split(":")[0].endswith("KeyboardInterrupt") else "exception"
-        return {"kind": kind, "step": _step_before(events, start), "message": _trim(exc),
-                "evidence": _evidence(lines, ranks, end, blocks)}
-    for kind in ("other", "killed"):
-        if kind in hits:
-            i = hits[kind]
-            return {"kind": kind, "step": _step_before(events, i), "message": _trim(lines[i].strip()),
-                    "evidence": _evidence(lines, ranks, i, blocks)}
-    if blocks:          # only a launcher's wrapper traceback: still an exception
-        start, end, exc = blocks[-1]
-        return {"kind": "exception", "step": _step_before(events, start), "message": _trim(exc),
-                "evidence": _evidence(lines, ranks, end, blocks)}
-    return None
-
-
 def _scan(lines: list[str]) -> tuple[list[str], list[int | None], list[tuple[int, int | None, dict]]]:
     """Rank-free lines, their ranks, and the metric events (line index, step, values), steps filled in."""
     bodies, ranks, events = [], [], []
@@ -367,7 +255,8 @@ def classify_failure(lines: list[str]) -> dict | None:
 
     Kinds: hardware, oom, nccl_timeout, diverged, timeout, exception, killed, other (a segfault)."""
     bodies, ranks, events = _scan(lines)
-    return _classify(bodies, ranks, events)
+    failure = classify(bodies, ranks, events)
+    return failure.as_dict() if failure else None
 
 
 # ---- a whole log ------------------------------------------------------------------------------
@@ -443,10 +332,10 @@ def parse_log(text: str, name: str) -> dict:
     totals = [int(m.group(3)) for i, _, _ in events[:5] if (m := STEP.search(bodies[i])) and m.group(3)]
     if totals:
         rec["meta"]["total_steps"] = totals[-1]
-    failure = _classify(bodies, ranks, events)
+    failure = classify(bodies, ranks, events)
     if failure:
-        rec["failure"] = failure
-        rec["status"] = {"diverged": "diverged", "killed": "killed", "timeout": "killed"}.get(failure["kind"], "failed")
+        rec["failure"] = failure.as_dict()
+        rec["status"] = {"diverged": "diverged", "killed": "killed", "timeout": "killed"}.get(failure.kind, "failed")
     rec["meta"]["log_tail"] = "\n".join(_trim(x) for x in lines[-TAIL_LINES:])
     return rec
 
