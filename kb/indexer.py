@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from sqlalchemy import DateTime, delete, func, insert, literal, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -27,6 +28,16 @@ class SyncReport:
     indexed: int = 0
     removed: int = 0
     requeued: int = 0
+
+
+def queue_index(session: Session, kind: str, ref_id: str) -> None:
+    """Mark a record for (re)indexing, in the writer's own transaction: the run and its queue
+    entry commit together, so a crash can never leave a stored run that nobody will index."""
+    conn = session.connection()
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    stmt = dialect.insert(IndexPending).values(kind=kind, ref_id=ref_id, queued_at=utcnow())
+    conn.execute(stmt.on_conflict_do_update(index_elements=["kind", "ref_id"],
+                                            set_={"queued_at": stmt.excluded.queued_at}))
 
 
 def point_id(kind: str, ref_id: str) -> str:
@@ -77,23 +88,26 @@ def _documents(s: Session, batch) -> dict[tuple[str, str], dict]:
     note_ids = [r for k, r in batch if k == "note"]
     if run_ids:
         for row in s.execute(select(Run).where(Run.id.in_(run_ids))).scalars():
-            out[("run", row.id)] = {"text": row.card, "payload": run_payload(row)}
+            out[("run", row.id)] = {"text": row.card, "payload": payload(
+                "run", row.id, row.project, row.name, row.card, status=row.status)}
     if note_ids:
         for row in s.execute(select(Note).where(Note.id.in_(note_ids))).scalars():
             text = note_text(row)
-            out[("note", row.id)] = {"text": text, "payload": {
-                "kind": "note", "ref_id": row.id, "project": row.project, "title": row.title,
-                "card_hash": card_hash(text)}}
+            out[("note", row.id)] = {"text": text, "payload": payload("note", row.id, row.project, row.title, text)}
+    return out
+
+
+def payload(kind: str, ref_id: str, project: str, label: str, text: str, status: str | None = None) -> dict:
+    """The one payload every point carries: what retrieval filters on (kb.vectors.INDEXED_FIELDS),
+    a label to show, and the hash of the embedded text that tells a stale vector from a fresh one."""
+    out = {"kind": kind, "ref_id": ref_id, "project": project, "label": label, "card_hash": card_hash(text)}
+    if status is not None:
+        out["status"] = status
     return out
 
 
 def note_text(row: Note) -> str:
     return f"{row.title}\n{row.text}" if row.title else row.text
-
-
-def run_payload(row: Run) -> dict:
-    return {"kind": "run", "ref_id": row.id, "project": row.project, "status": row.status,
-            "name": row.name, "card_hash": card_hash(row.card)}
 
 
 def _reconcile(engine: Engine, index) -> tuple[int, int]:

@@ -8,7 +8,8 @@ from sqlmodel import Session
 
 from kb.models import Note, Run, utcnow
 from kb.records import NoteRecord, note_hash
-from kb.runs import Outcome, queue_index
+from kb.indexer import queue_index
+from kb.runs import Outcome
 
 
 def write_note(session: Session, note: NoteRecord, source_kind: str, source_uri: str) -> tuple[Outcome, str]:

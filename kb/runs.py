@@ -14,13 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 from sqlalchemy import delete, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session
 
 from kb import curves
 from kb.cards import run_card
 from kb.fields import field_rows
-from kb.models import Ablation, Anomaly, Failure, IndexPending, MetricPoint, Run, RunField, utcnow
+from kb.indexer import queue_index
+from kb.models import Ablation, Anomaly, Failure, MetricPoint, Run, RunField, utcnow
 from kb.records import RunRecord, content_hash
 
 Outcome = Literal["added", "updated", "unchanged"]
@@ -135,14 +135,6 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
     _bulk(session, Anomaly, [{"run_id": run_id, **a} for a in anomalies])
     queue_index(session, "run", run_id)
     return ("added" if existing is None else "updated"), run_id
-
-
-def queue_index(session: Session, kind: str, ref_id: str) -> None:
-    conn = session.connection()
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(IndexPending).values(kind=kind, ref_id=ref_id, queued_at=utcnow())
-    conn.execute(stmt.on_conflict_do_update(index_elements=["kind", "ref_id"],
-                                            set_={"queued_at": stmt.excluded.queued_at}))
 
 
 def _failures(record: RunRecord, metrics: dict) -> list[dict]:

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 ID_FIELD = "point_id"
 HASH_FIELD = "card_hash"
-INDEXED_FIELDS = ("kind", "project", "status")      # what retrieval filters on
+INDEXED_FIELDS = ("kind", "project", "status", "ref_id")      # what retrieval filters on (kb.indexer.payload)
 ID_NAMESPACE = uuid.UUID("5b0f3c1e-8a7d-4c52-9a51-6e0b1f2d7c43")   # fixed forever: ids must not move
 SCROLL_PAGE = 2048
 BATCH = 512

@@ -49,8 +49,8 @@ def test_ingest_500_twice_then_query(env, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     first = json.loads(kb_cli(env, "ingest", str(path), "--no-index", "--json").stdout)
     second = json.loads(kb_cli(env, "ingest", str(path), "--no-index", "--json").stdout)
-    assert first == {"added": 500, "updated": 0, "unchanged": 0, "failed": []}
-    assert second == {"added": 0, "updated": 0, "unchanged": 500, "failed": []}
+    assert first == {"added": 500, "updated": 0, "unchanged": 0, "failed": [], "skipped": []}
+    assert second == {"added": 0, "updated": 0, "unchanged": 500, "failed": [], "skipped": []}
     out = kb_cli(env, "runs", "--where", "config.optim.lr > 1e-3 or status = 'diverged'", "--json").stdout
     got = {r["id"] for r in json.loads(out)}
     want = {r["id"] for r in records

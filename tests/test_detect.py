@@ -10,7 +10,7 @@ from kb.errors import UnknownFormat
 
 
 def names(target, fmt=None):
-    return [ing.name for _, ing in resolve(str(target), fmt)]
+    return [read.ingester.name for read in resolve(str(target), fmt).reads]
 
 
 def test_each_kind_of_file_finds_its_ingester(tmp_path):
@@ -45,3 +45,28 @@ def test_format_override_and_unknown_format(tmp_path):
 def test_missing_path(tmp_path):
     with pytest.raises(UnknownFormat, match="no such file"):
         resolve(str(tmp_path / "nope"))
+
+
+def test_a_walk_accounts_for_every_file(tmp_path):
+    """Every file a walk visits is read, failed (it looked like a run) or skipped (with why)."""
+    exp = tmp_path / "gpt-small"
+    exp.mkdir()
+    (exp / "train.log").write_text("".join(f"iter {i}: loss {5 - i * 0.1:.3f}, time 10ms\n" for i in range(10)))
+    (exp / "crashed.log").write_text("loading data\nsetting up the model\n")        # a log with nothing in it
+    (exp / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
+    (exp / "ckpt_1000.pt").write_bytes(b"\0" * 64)
+    (exp / "train.py").write_text("import torch\n")
+    (tmp_path / "sweep.yaml").write_text("lr: [1e-3, 3e-4]\n")
+    plan = resolve(str(tmp_path))
+    assert [(r.ingester.name, r.project) for r in plan.reads] == [("log", "gpt-small")]
+    assert [f["source"] for f in plan.failed] == [str(exp / "crashed.log")]
+    assert "no step/metric lines" in plan.failed[0]["error"]
+    skipped = {s["source"].rsplit("/", 1)[-1]: s["reason"] for s in plan.skipped}
+    assert skipped == {"loss.png": "image", "ckpt_1000.pt": "checkpoint or tensor file",
+                       "train.py": "source code", "sweep.yaml": "configuration file (not a run by itself)"}
+
+
+def test_a_folder_with_no_runs_is_an_error(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"\0" * 8)
+    with pytest.raises(UnknownFormat, match="no runs or notes in this folder"):
+        resolve(str(tmp_path))

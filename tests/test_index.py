@@ -27,8 +27,8 @@ def write(tmp_path, runs=RUNS):
     return str(path)
 
 
-def top(k, text, **where):
-    return [h.payload["ref_id"] for h in k.search(text, limit=3, where=where or None)]
+def top(k, text, **filters):
+    return [h.payload["ref_id"] for h in k.search(text, limit=3, **filters)]
 
 
 def test_ingest_indexes_and_search_finds_by_meaning(kb, tmp_path):
@@ -37,6 +37,15 @@ def test_ingest_indexes_and_search_finds_by_meaning(kb, tmp_path):
     assert top(kb, "which run blew up with NaN loss?")[0] == "lr-3e-3"
     assert top(kb, "data mixture with more code")[0] == "data-mix"
     assert top(kb, "NaN loss", project="q") == ["data-mix"]
+
+
+def test_search_within_a_query(kb, tmp_path):
+    """`where` intersects the query language with the vector hits: only matching runs come back."""
+    kb.ingest(write(tmp_path))
+    assert top(kb, "which run blew up with NaN loss?", where="status != 'diverged'")[0] != "lr-3e-3"
+    assert set(top(kb, "loss", where="lr <= 3e-4 or project = 'q'")) == {"lr-3e-4", "data-mix"}
+    assert top(kb, "loss", where="lr > 1") == []
+    assert top(kb, "loss", where="status = 'diverged'", kind="note") == []
 
 
 def test_deleted_index_folder_is_rebuilt_on_open(settings, tmp_path):

@@ -17,32 +17,41 @@ def register(cli: click.Group) -> None:
 
 @click.command()
 @click.argument("paths", nargs=-1, required=True)
-@click.option("--format", "fmt", help="Override detection: native, mlflow, wandb, tensorboard, hf-trainer, log, notes.")
+@click.option("--format", "fmt", help="Override detection: native, mlflow, wandb, tensorboard, hf-trainer, log, notes, table.")
 @click.option("--project", help="Store every run under this project.")
+@click.option("--map", "maps", multiple=True, metavar="COLUMN=KEY",
+              help="Tables (csv, tsv, parquet): put COLUMN at KEY (scale.params, summary.val/loss, "
+                   "config.optim.lr, name, tags, ..., or - to drop it). Repeatable; an error when no "
+                   "target is read as a table.")
 @click.option("--no-index", is_flag=True, help="Only write SQL; leave vectors to `kb serve` or the next command.")
+@click.option("--show-skipped", is_flag=True, help="List the files a folder walk skipped (not runs), with why.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
 @click.pass_obj
-def ingest(obj, paths, fmt, project, no_index, as_json):
+def ingest(obj, paths, fmt, project, maps, no_index, show_skipped, as_json):
     """Ingest runs and notes from PATHS (files, folders or tracking URIs)."""
+    from ingest.table import parse_mapping
+    mapping = parse_mapping(maps)          # a malformed --map fails before anything is opened
     k = obj.kb()
     with _progress() as bar:
         task = bar.add_task("ingesting", total=None)
-        report = k.ingest(*paths, format=fmt, project=project, index=False,
+        report = k.ingest(*paths, format=fmt, project=project, mapping=mapping or None, index=False,
                           progress=lambda src, n: bar.update(task, completed=n, description=_short(src)))
     if not no_index:       # also reconciles: a lost or stale index is rebuilt from SQL here
-        from kb.errors import IndexBusy
-        try:
-            with _progress() as bar:
-                task = bar.add_task("indexing", total=None)
-                k.sync_index(progress=lambda done, total: bar.update(task, completed=done, total=total))
-        except IndexBusy:
-            click.echo("vector index is held by another process (kb serve); it will index the new runs",
-                       err=True)
+        with _progress() as bar:
+            task = bar.add_task("indexing", total=None)
+            if not k.try_sync_index(progress=lambda done, total: bar.update(task, completed=done, total=total)):
+                click.echo("vector index is held by another process (kb serve); it will index the new runs",
+                           err=True)
     if as_json:
         emit_json(report.as_dict())
     else:
+        skipped = len(report.skipped)
+        hint = "" if not skipped or show_skipped else " (not runs; --show-skipped lists them)"
         click.echo(f"added {report.added}, updated {report.updated}, unchanged {report.unchanged}, "
-                   f"failed {len(report.failed)}")
+                   f"failed {len(report.failed)}, skipped {skipped}{hint}")
+        if show_skipped:
+            for s in report.skipped:
+                click.echo(f"skipped: {s['source']}: {s['reason']}")
     for f in report.failed:
         where = f["source"] + (f":{f['line']}" if f.get("line") else "")
         click.echo(f"error: {where}: {f['field'] + ': ' if f.get('field') else ''}{f['error']}", err=True)
@@ -121,17 +130,17 @@ def reindex(obj, as_json):
 @click.option("--limit", type=int, default=5)
 @click.option("--kind", type=click.Choice(["run", "note"]), help="Only runs or only notes.")
 @click.option("--project")
+@click.option("--where", "where", help="Only runs matching this query, e.g. \"status = 'diverged'\".")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
-def search(obj, text, limit, kind, project, as_json):
+def search(obj, text, limit, kind, project, where, as_json):
     """Semantic search over run cards and notes."""
-    where = {k: v for k, v in (("kind", kind), ("project", project)) if v}
-    hits = obj.kb().search(text, limit=limit, where=where or None)
+    hits = obj.kb().search(text, limit=limit, where=where, kind=kind, project=project)
     if as_json:
         emit_json([{"id": h.payload.get("ref_id"), "kind": h.payload.get("kind"), "score": h.score} for h in hits])
         return
-    table([[f"{h.score:.3f}", h.payload.get("kind"), h.payload.get("ref_id"), h.payload.get("name") or
-            h.payload.get("title", "")] for h in hits], ["score", "kind", "id", "name"])
+    table([[f"{h.score:.3f}", h.payload.get("kind"), h.payload.get("ref_id"), h.payload.get("label", "")]
+           for h in hits], ["score", "kind", "id", "name"])
 
 
 def _lr(r):
