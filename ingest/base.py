@@ -33,12 +33,14 @@ Item = Union[Parsed, Rejected]
 
 class Ingester(Protocol):
     name: str
+    options: frozenset[str]      # keyword options `read` takes (a table's `mapping`); most take none
 
     def detect(self, target: str) -> int:
         """How sure this ingester is that it reads `target` (a path or a URI): 0 (no) to 100."""
 
-    def read(self, target: str) -> Iterator[Item]:
-        """Every record in `target`; a bad record is a Rejected, never an exception.
+    def read(self, target: str, **options) -> Iterator[Item]:
+        """Every record in `target`; a bad record is a Rejected, never an exception. Only the
+        options named in `options` are passed (see `options_for`).
 
         Heavy client libraries (mlflow, tensorboard, ...) are imported here, not at module
         import, so `kb --help` and `kb runs` stay fast."""
@@ -50,9 +52,24 @@ INGESTERS: dict[str, Ingester] = {}
 def register(name: str):
     def deco(cls):
         cls.name = name
+        cls.options = frozenset(getattr(cls, "options", ()))
         INGESTERS[name] = cls()
         return cls
     return deco
+
+
+def options_for(ingester: Ingester, options: dict[str, Any]) -> dict[str, Any]:
+    """The options this ingester reads; the others are meant for another ingester in the same walk."""
+    return {k: v for k, v in options.items() if k in ingester.options}
+
+
+def check_options(readers: list[Ingester], options: dict[str, Any]) -> None:
+    """InvalidRecord for an option none of the ingesters about to read takes (`--map` with no table)."""
+    taken = set().union(*(r.options for r in readers))
+    for name in sorted(set(options) - taken):
+        formats = sorted(n for n, i in INGESTERS.items() if name in i.options)
+        raise InvalidRecord(f"only {', '.join(formats) or 'no'} sources take it, and no target is read as one",
+                            field=name)
 
 
 def rejected(source: Path | str, error: str, *, line: int | None = None, field: str = "") -> Rejected:

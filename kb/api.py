@@ -70,20 +70,24 @@ class KnowledgeBase:
     # ---- writing -------------------------------------------------------------------------
 
     def ingest(self, *targets: str, format: str | None = None, project: str | None = None,
-               index: bool = True, progress: Callable[[str, int], None] | None = None) -> IngestReport:
+               mapping: dict[str, str] | None = None, index: bool = True,
+               progress: Callable[[str, int], None] | None = None) -> IngestReport:
         """Read every target with its ingester and store each record in its own transaction.
 
         A bad record is reported and skipped; the others still go in. With `index`, the
         vectors are brought up to date afterwards unless another process holds the index.
+        `mapping` ({column: key}) places a table's columns (see ingest.table).
         """
-        from ingest.base import Parsed
+        from ingest.base import Parsed, check_options, options_for
         from ingest.detect import resolve
 
         report = IngestReport()
         # resolve every target first: a mistyped second path fails before anything is written
         plan = [pair for target in targets for pair in resolve(str(target), format)]
+        options = {"mapping": mapping} if mapping else {}
+        check_options([ingester for _, ingester in plan], options)
         for source, ingester in plan:
-            for item in ingester.read(source):
+            for item in ingester.read(source, **options_for(ingester, options)):
                 if isinstance(item, Parsed):
                     self._store(item, project, report)
                 else:

@@ -1,0 +1,408 @@
+"""Tables of runs: a CSV, TSV or Parquet file whose every row is one run.
+
+Sweep spreadsheets and published tables (a scaling-law paper's model size, tokens and final
+loss) go in without code. The first row names the columns (lines starting with `#` above it
+are comments); each column goes to one place in the native record:
+
+  id, name, project, status (or state), tags, notes,   the record's own fields; tags split on
+  started_at, ended_at, parent                         `,` or `;`
+  scale.X, summary.X, config.a.b                       there, as named (a table kb wrote)
+  a scale quantity: params, N, tokens, D, compute, C   scale.params|tokens|flops|gpus|gpu_hours,
+                                                       and config.<column> too: a row's size and
+                                                       data are what its run was configured with
+  a metric: loss, val_loss, eval/accuracy, ...         summary.<column>
+  anything else: lr, batch_size, seed, my_flag         config.<column>
+
+as `kb.vocab.column_target` names them. `--map COLUMN=KEY` overrides one column: KEY is
+`scale.params`, `summary.val/loss` (one flat key), `config.optim.lr` (nested), a record field
+(`name`, `tags`, ...) or `-` to drop the column.
+
+Cells are typed: integers, decimals (with exponents; `3,5e-4` too in a `;`-separated file),
+true/false; anything else is text. An empty cell is no value. NaN, inf and integers past 64
+bits are stored as kb.records.json_safe writes them (the strings "NaN", "Infinity", digits).
+Scale cells must be numbers (`70B`, `1.4T` read as 7e10, 1.4e12); params, tokens and gpus are
+rounded to integers. A `.csv` file's delimiter is sniffed (`,`, `;`, tab or `|`); `.tsv` is tabs.
+
+Run name: the name (else id) column, else `<file stem> row <n>`, n counting data rows from 1.
+Source URI `<abs file>#row-<n>`: a row keeps its run on re-ingest. A bad row is rejected
+naming its line (Parquet: `row-<n>`) and column; the other rows go in.
+
+    kb ingest points.csv            kb ingest sweep.tsv --map val=summary.val/loss --map host=-
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ingest.base import register, rejected
+from kb.errors import InvalidRecord
+from kb.records import Item, Parsed, json_safe, parse_run
+from kb.vocab import column_target, fold
+
+SUFFIXES = {".csv", ".tsv", ".parquet", ".pq"}
+FIELDS = ("id", "name", "project", "status", "tags", "notes", "started_at", "ended_at", "parent")
+FIELD_COLUMNS = {fold(f): f for f in FIELDS} | {"run id": "id", "run name": "name", "run": "name",
+                                                "state": "status", "tag": "tags"}
+SCALE_KEYS = {"params": int, "tokens": int, "gpus": int, "flops": float, "gpu_hours": float}
+# W&B's run states and common spreadsheet words for the contract's statuses
+STATUS_WORDS = {"finished": "completed", "done": "completed", "success": "completed",
+                "succeeded": "completed", "crashed": "failed", "error": "failed",
+                "preempted": "killed", "cancelled": "killed", "canceled": "killed"}
+DELIMITERS = (",", ";", "\t", "|")
+SIZE_UNITS = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+INT = re.compile(r"[+-]?(0|[1-9]\d*)")          # "007" is a code, kept as text
+FLOAT = re.compile(r"[+-]?((0|[1-9]\d*)(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+DECIMAL_COMMA = re.compile(r"[+-]?\d+,\d+([eE][+-]?\d+)?")
+NONFINITE = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
+SIZED = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT])")
+MISSING = object()
+
+Target = tuple[str, tuple[str, ...]]       # ("scale" | "summary" | "config" | "field" | "drop", path)
+
+
+@register("table")
+class TableIngester:
+    options = frozenset({"mapping"})
+
+    def detect(self, target: str) -> int:
+        path = Path(target)
+        if not path.is_file() or path.suffix.lower() not in SUFFIXES:
+            return 0
+        # below a W&B CSV export (80), which is a table too but of JSON cells
+        return 50 if _has_rows(path) else 0
+
+    def read(self, target: str, mapping: dict[str, str] | None = None) -> Iterator[Item]:
+        path = Path(target).expanduser().resolve()
+        try:
+            overrides = {col: parse_target(key) for col, key in (mapping or {}).items()}
+        except InvalidRecord as exc:
+            yield rejected(path, exc.error, field=exc.field)
+            return
+        if path.suffix.lower() in (".parquet", ".pq"):
+            yield from _read_parquet(path, overrides)
+        else:
+            yield from _read_text(path, overrides)
+
+
+def parse_mapping(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """`COLUMN=KEY` strings (the CLI's --map) as {column: key}; InvalidRecord on a bad one."""
+    mapping: dict[str, str] = {}
+    for pair in pairs:
+        column, eq, key = pair.rpartition("=")      # a key never holds "=", a column might
+        if not eq or not column.strip() or not key.strip():
+            raise InvalidRecord(f"{pair!r} is not COLUMN=KEY", field="--map")
+        column, key = column.strip(), key.strip()
+        if column in mapping:
+            raise InvalidRecord(f"column {column!r} mapped twice", field="--map")
+        parse_target(key)
+        mapping[column] = key
+    return mapping
+
+
+def parse_target(key: str) -> Target:
+    """Where a --map key puts a column; InvalidRecord naming the key when it is nowhere."""
+    if key == "-":
+        return "drop", ()
+    if key in FIELDS:
+        return "field", (key,)
+    space, _, rest = key.partition(".")
+    if space == "scale" and rest in SCALE_KEYS:
+        return "scale", (rest,)
+    if space == "summary" and rest:
+        return "summary", (rest,)        # metric names are flat keys: `val/loss`, `eval.acc`
+    if space == "config" and rest and all(rest.split(".")):
+        return "config", tuple(rest.split("."))
+    raise InvalidRecord(f"cannot map to {key!r}: use scale.{{{','.join(SCALE_KEYS)}}}, summary.KEY, "
+                        f"config.KEY[.KEY...], one of {', '.join(FIELDS)}, or - to drop", field="--map")
+
+
+# -- columns ----------------------------------------------------------------------------------
+
+def _plan(columns: list[str], overrides: dict[str, Target]) -> dict[str, Target]:
+    """{column: target} for every named column; InvalidRecord when the columns cannot all go in."""
+    seen: set[str] = set()
+    for c in columns:
+        if c and c in seen:
+            raise InvalidRecord("column appears twice in the header", field=c)
+        seen.add(c)
+    missing = [c for c in overrides if c not in seen]
+    if missing:
+        raise InvalidRecord(f"--map names a column this table lacks; its columns: "
+                            f"{', '.join(c for c in columns if c)}", field=missing[0])
+    # an unnamed column is pandas' row index (`df.to_csv()`): nothing to keep
+    plan = {c: overrides.get(c) or _auto(c) for c in columns if c}
+    owner: dict[Target, str] = {}
+    for column, target in plan.items():
+        if target[0] == "drop":
+            continue
+        if target in owner:
+            raise InvalidRecord(f"columns {owner[target]!r} and {column!r} both go to "
+                                f"{_dotted(target)}; --map one of them elsewhere", field=column)
+        owner[target] = column
+    paths = sorted(t[1] for t in owner if t[0] == "config")
+    for a, b in zip(paths, paths[1:]):
+        if b[:len(a)] == a:
+            raise InvalidRecord(f"config.{'.'.join(a)} cannot be a value and hold "
+                                f"config.{'.'.join(b)}", field=owner[("config", b)])
+    return plan
+
+
+def _auto(column: str) -> Target:
+    if (f := FIELD_COLUMNS.get(fold(column))) is not None:
+        return "field", (f,)
+    if column.startswith(("scale.", "summary.", "config.")):
+        try:
+            return parse_target(column)
+        except InvalidRecord:
+            pass
+    found = column_target(column)
+    if found and found.startswith("scale."):
+        return "scale", (found.split(".", 1)[1],)
+    if found and found.startswith("summary."):
+        return "summary", (column,)
+    return "config", (column,)     # nothing is dropped: an unknown column is a setting
+
+
+def _dotted(target: Target) -> str:
+    space, path = target
+    return path[0] if space == "field" else f"{space}.{'.'.join(path)}"
+
+
+# -- rows -------------------------------------------------------------------------------------
+
+def _record(plan: dict[str, Target], cells: dict[str, Any], typed: Callable[[Any], Any],
+            default_name: str) -> dict:
+    """The native record of one row. `cells` are raw (CSV text, Parquet values); `typed` turns a
+    raw cell into a number, bool or text, or MISSING."""
+    config: dict = {}
+    scale: dict = {}
+    summary: dict = {}
+    fields: dict = {}
+    inputs: dict = {}       # scale cells, kept in config too: a run needs a config, ablations compare them
+    for column, (space, path) in plan.items():
+        raw = cells.get(column, MISSING)
+        if raw is MISSING or raw is None or (isinstance(raw, str) and not raw.strip()):
+            continue
+        if space == "field":
+            fields[path[0]] = _field(path[0], raw)
+            continue
+        if space == "drop":
+            continue
+        value = typed(raw)
+        if value is MISSING:
+            continue
+        if space == "scale":
+            scale[path[0]] = _scale(path[0], value, column)
+            if not column.startswith("scale."):    # kb's own export has its config columns
+                inputs[column] = json_safe(value)
+        elif space == "summary":
+            summary[path[0]] = json_safe(value)
+        else:
+            node = config
+            for p in path[:-1]:
+                node = node.setdefault(p, {})
+            node[path[-1]] = json_safe(value)
+    for column, value in inputs.items():
+        config.setdefault(column, value)
+    native = {"config": config, "scale": scale, "summary": summary, **fields}
+    native.setdefault("name", fields.get("id") or default_name)
+    return native
+
+
+def _field(name: str, raw: Any) -> Any:
+    if name == "tags":
+        items = raw if isinstance(raw, (list, tuple)) else re.split(r"[,;]", str(raw))
+        return [str(t).strip() for t in items if str(t).strip()]
+    if name in ("started_at", "ended_at") and not isinstance(raw, str):
+        return raw                      # a Parquet timestamp
+    text = str(raw).strip()
+    if name == "status":
+        return STATUS_WORDS.get(text.lower(), text.lower())
+    return text
+
+
+def _scale(key: str, value: Any, column: str) -> int | float:
+    if isinstance(value, str) and (m := SIZED.fullmatch(value.strip())):
+        value = float(m.group(1)) * SIZE_UNITS[m.group(2).lower()]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRecord(f"scale.{key} needs a number, got {value!r}", field=column)
+    if not math.isfinite(value):
+        raise InvalidRecord(f"scale.{key} needs a finite number, got {value!r}", field=column)
+    # a table read off a plot holds 6795600349.289497 parameters; a count is an integer
+    return round(value) if SCALE_KEYS[key] is int else float(value)
+
+
+def _validated(path: Path, plan: dict[str, Target], native: dict, uri: str,
+               line: int | None, where: str = "") -> Item:
+    try:
+        record = parse_run(native)
+    except InvalidRecord as exc:
+        return rejected(path, exc.error, line=line, field=where + _column_of(plan, exc.field))
+    return Parsed(record, "table", uri, line)
+
+
+def _column_of(plan: dict[str, Target], field: str) -> str:
+    """The column behind a record field named in a validation error (the file's own name for it)."""
+    for column, target in plan.items():
+        dotted = _dotted(target)
+        if field == dotted or field.startswith(dotted + "."):
+            return column
+    return field
+
+
+# -- CSV and TSV ------------------------------------------------------------------------------
+
+def _read_text(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
+    try:
+        text = path.read_bytes().decode("utf-8-sig")        # Excel writes a byte-order mark
+    except UnicodeDecodeError as exc:
+        yield rejected(path, f"not UTF-8 (byte {exc.start})")
+        return
+    except OSError as exc:
+        yield rejected(path, f"cannot read: {exc.strerror or exc}")
+        return
+    buf, skipped = _after_comments(text)
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else _sniff(text[buf.tell():buf.tell() + 16384])
+    reader = csv.reader(buf, delimiter=delimiter)
+    header = next(reader, None)
+    if not header:
+        yield rejected(path, "empty table: no header row")
+        return
+    columns = [c.strip() for c in header]
+    try:
+        plan = _plan(columns, overrides)
+    except InvalidRecord as exc:
+        yield rejected(path, exc.error, line=skipped + 1, field=exc.field)
+        return
+    # in a `;`-separated file a comma is the decimal mark (European spreadsheets)
+    typed = _typed_decimal_comma if delimiter == ";" else _typed
+    n, last = 0, reader.line_num
+    for cells in reader:
+        line, last = skipped + last + 1, reader.line_num
+        if not any(c.strip() for c in cells):          # blank lines, a spreadsheet's `,,,` tail
+            continue
+        n += 1
+        if len(cells) > len(columns) and any(c.strip() for c in cells[len(columns):]):
+            yield rejected(path, f"{len(cells)} cells, but the header names {len(columns)} columns",
+                           line=line)
+            continue
+        try:
+            native = _record(plan, dict(zip(columns, cells)), typed, f"{path.stem} row {n}")
+        except InvalidRecord as exc:
+            yield rejected(path, exc.error, line=line, field=exc.field)
+            continue
+        yield _validated(path, plan, native, f"{path}#row-{n}", line)
+    if not n:
+        yield rejected(path, "no data rows under the header", line=skipped + 1)
+
+
+def _after_comments(text: str) -> tuple[io.StringIO, int]:
+    """A buffer positioned at the header, past leading blank and `#` lines; and how many those were."""
+    buf = io.StringIO(text, newline="")
+    skipped = 0
+    while True:
+        pos = buf.tell()
+        line = buf.readline()
+        if line and (not line.strip() or line.lstrip().startswith("#")):
+            skipped += 1
+            continue
+        buf.seek(pos)
+        return buf, skipped
+
+
+def _sniff(sample: str) -> str:
+    """The delimiter that splits the sample's lines into the same number of columns, the most."""
+    lines = sample.splitlines()
+    if len(lines) > 1 and not sample.endswith(("\n", "\r")):
+        lines = lines[:-1]                     # the sample cut a line short
+    best, width = ",", 1
+    for d in DELIMITERS:
+        widths = {len(row) for row in csv.reader(lines[:50], delimiter=d) if row}
+        if len(widths) == 1 and (w := widths.pop()) > width:
+            best, width = d, w
+    return best
+
+
+def _typed(cell: str) -> Any:
+    s = cell.strip()
+    if not s:
+        return MISSING
+    low = s.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if INT.fullmatch(s):
+        return int(s)
+    if FLOAT.fullmatch(s) or low in NONFINITE:
+        return float(low)
+    return s
+
+
+def _typed_decimal_comma(cell: str) -> Any:
+    s = cell.strip()
+    if DECIMAL_COMMA.fullmatch(s):
+        return float(s.replace(",", "."))
+    return _typed(s)
+
+
+def _has_rows(path: Path) -> bool:
+    """A header and at least one data row (Parquet: at least one row)."""
+    if path.suffix.lower() in (".parquet", ".pq"):
+        try:
+            with open(path, "rb") as fh:
+                if fh.read(4) != b"PAR1":
+                    return False
+            import pyarrow.parquet as pq
+            return pq.read_metadata(path).num_rows > 0
+        except Exception:          # pyarrow raises several kinds for a file that is not Parquet
+            return False
+    try:
+        with open(path, encoding="utf-8-sig", errors="replace", newline="") as fh:
+            text = fh.read(65536)
+    except OSError:
+        return False
+    buf, _ = _after_comments(text)
+    lines = [ln for ln in buf.read().splitlines() if ln.strip()]
+    return len(lines) >= 2
+
+
+# -- Parquet ----------------------------------------------------------------------------------
+
+def _read_parquet(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+        columns = list(table.schema_arrow.names)
+    except (OSError, pa.ArrowException) as exc:
+        yield rejected(path, f"not a readable Parquet file: {exc}")
+        return
+    try:
+        plan = _plan([c.strip() for c in columns], overrides)
+    except InvalidRecord as exc:
+        yield rejected(path, exc.error, field=exc.field)
+        return
+    n = 0
+    for batch in table.iter_batches(batch_size=4096):
+        for row in batch.to_pylist():
+            n += 1
+            cells = {c.strip(): v for c, v in row.items()}
+            where = f"row-{n}."        # Parquet has no lines: the row, as in the source URI
+            try:
+                native = _record(plan, cells, _parquet_value, f"{path.stem} row {n}")
+            except InvalidRecord as exc:
+                yield rejected(path, exc.error, field=where + exc.field)
+                continue
+            yield _validated(path, plan, native, f"{path}#row-{n}", None, where)
+    if not n:
+        yield rejected(path, "no rows")
+
+
+def _parquet_value(value: Any) -> Any:
+    # Parquet columns carry their own types: a string column's "3e-4" was meant as text
+    return MISSING if value is None else value
