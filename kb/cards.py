@@ -9,6 +9,7 @@ import hashlib
 from typing import Any
 
 from kb.fields import leaves
+from kb.vocab import canonical_hparams, canonical_metrics
 
 CARD_CONFIG_KEYS = 14      # a card is ~100 tokens: enough to tell runs apart, cheap to embed
 
@@ -31,6 +32,9 @@ def fmt(v: Any) -> str:
 def run_card(run: dict, failures: list[dict], anomalies: list[dict]) -> str:
     """`run` holds the row's fields (id, name, project, status, config, scale, summary, tags, notes)."""
     lines = [f"run {run['name'] or run['id']} (id {run['id']}) in project {run['project']}; status {run['status']}"]
+    hp = canonical_hparams(run["config"])
+    if hp:     # the vocabulary's names first, so cards from different sources read alike
+        lines.append("hyperparameters: " + " ".join(f"{name}={fmt(v)}" for name, (_, v) in hp.items()))
     cfg = [f"{'.'.join(p)}={fmt(v)}" for p, v in leaves(run["config"]) if p and not isinstance(v, (dict, list))]
     if cfg:
         more = f" (+{len(cfg) - CARD_CONFIG_KEYS} more)" if len(cfg) > CARD_CONFIG_KEYS else ""
@@ -39,7 +43,10 @@ def run_card(run: dict, failures: list[dict], anomalies: list[dict]) -> str:
     if any(scale.get(k) is not None for k in ("params", "tokens", "flops")):
         lines.append(f"scale: {human(scale.get('params'))} params, {human(scale.get('tokens'))} tokens, "
                      f"{fmt(scale['flops']) if scale.get('flops') else '?'} FLOPs")
-    finals = [f"{k}={fmt(v)}" for k, v in sorted(run["summary"].items()) if not isinstance(v, (dict, list))]
+    named = {key: canon for canon, key in canonical_metrics(run["summary"]).items()}
+    finals = [f"{named.get(k, k)}={fmt(v)}" + (f" ({k})" if named.get(k, k) != k else "")
+              for k, v in sorted(run["summary"].items(), key=lambda kv: (kv[0] not in named, kv[0]))
+              if not isinstance(v, (dict, list))]
     if finals:
         lines.append("final: " + " ".join(finals[:8]))
     for f in failures[:3]:

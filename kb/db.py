@@ -13,7 +13,7 @@ from sqlmodel import Session, create_engine
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-HEAD = "0002"   # newest revision in migrations/versions; checked without importing alembic
+HEAD = "0003"   # newest revision in migrations/versions; checked without importing alembic
 
 
 def make_engine(url: str) -> Engine:

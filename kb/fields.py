@@ -1,7 +1,8 @@
 """Dotted keys: the one spelling of a path into a run, shared by the writer and the query compiler.
 
 A run's queryable leaves live under namespaces (`config`, `summary`, `scale`, `stats`,
-`anomalies`, `failure`, `tags`). A segment is written bare when it is a plain word
+`hparams` (canonical hyperparameters, kb.vocab), `anomalies`, `failure`, `tags`).
+A segment is written bare when it is a plain word
 (`config.optim.lr`, `summary.train/loss`) and double-quoted otherwise
 (`summary."val loss"`), so every path has exactly one canonical key.
 """
@@ -11,7 +12,9 @@ import math
 import re
 from typing import Any, Iterator
 
-NAMESPACES = ("config", "summary", "scale", "stats", "anomalies", "failure", "tags", "ablations")
+from kb.records import json_safe
+
+NAMESPACES = ("config", "summary", "scale", "stats", "hparams", "anomalies", "failure", "tags", "ablations")
 BARE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_/\-]*\Z")
 
 
@@ -26,14 +29,15 @@ def canonical(path: list[str] | tuple[str, ...]) -> str:
 
 
 def typed(value: Any) -> tuple[str, float | None, str | None]:
-    """(vtype, num, text) as stored in RunField; NaN and inf are kept as text, not numbers."""
+    """(vtype, num, text) as stored in RunField; NaN and inf are kept as text, not numbers,
+    spelled as every source stores them ("NaN", "Infinity", "-Infinity": kb.records.json_safe)."""
     if value is None:
         return "z", None, None
     if isinstance(value, bool):
         return "b", float(value), None
     if isinstance(value, (int, float)):
         if isinstance(value, float) and not math.isfinite(value):
-            return "s", None, repr(value)
+            return "s", None, json_safe(value)
         return "n", float(value), None
     if isinstance(value, str):
         return "s", None, value

@@ -12,6 +12,8 @@ from sqlalchemy import JSON, BigInteger, Column, Float, Index, Text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
 
+from kb.vocab import canonical_view
+
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 
 
@@ -31,7 +33,8 @@ class Provenance(SQLModel):
     content_hash: str = ""
 
 
-class Run(Provenance, table=True):
+class RunBase(SQLModel):
+    """A run as callers see it: the record's fields plus the promoted filter columns."""
     id: str = Field(primary_key=True)
     project: str = Field(default="default", index=True)
     name: str = ""
@@ -43,18 +46,38 @@ class Run(Provenance, table=True):
     tags: list = Field(default_factory=list, sa_column=json_col(nullable=False))
     notes: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
     parent: str | None = Field(default=None, index=True)
-    hypothesis_id: str | None = Field(default=None, index=True)
+    hypothesis: str | None = Field(default=None, index=True)
     started_at: datetime | None = None
     ended_at: datetime | None = None
     code: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
     meta: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
-    # promoted from config/scale for filtering and sorting
+    # promoted from config/scale through kb.vocab, for filtering and sorting
     lr: float | None = Field(default=None, sa_column=Column(Float, index=True))
     batch_size: int | None = Field(default=None, sa_column=Column(BigInteger, index=True))
     params: int | None = Field(default=None, sa_column=Column(BigInteger, index=True))
     tokens: int | None = Field(default=None, sa_column=Column(BigInteger, index=True))
     flops: float | None = Field(default=None, sa_column=Column(Float, index=True))
+
+
+class Run(RunBase, Provenance, table=True):
     card: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+
+
+class RunPublic(RunBase):
+    """A run as the API returns it: what was logged, where it came from, and the canonical
+    names (kb.vocab) it answers to: {"val/loss": {"key": "summary.eval_loss", "value": 3.2}}."""
+    source: dict = Field(default_factory=dict)
+    canonical: dict = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, row: Run) -> "RunPublic":
+        return cls(**{name: getattr(row, name) for name in RunBase.model_fields},
+                   source={"kind": row.source_kind, "uri": row.source_uri,
+                           "ingested_at": row.ingested_at.isoformat(), "content_hash": row.content_hash},
+                   canonical=canonical_view(row.config, row.summary))
+
+    def as_dict(self) -> dict:
+        return self.model_dump(mode="json")
 
 
 class RunField(SQLModel, table=True):
@@ -138,7 +161,7 @@ class Hypothesis(SQLModel, table=True):
 
 class Job(SQLModel, table=True):
     id: str = Field(primary_key=True)
-    hypothesis_id: str | None = Field(default=None, index=True)
+    hypothesis: str | None = Field(default=None, index=True)
     status: str = Field(default="queued", index=True)
     backend: str = "local"
     attempts: int = 0

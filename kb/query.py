@@ -13,7 +13,8 @@ Grammar (keywords case-insensitive):
     literal := number | 'single-quoted string' ('' or \\' inside) | true | false | null
 
 A key is a dotted path whose first segment is a namespace (config, summary, ...) read from
-the typed `RunField` rows, or a Run column. Segments are bare words or double-quoted
+the typed `RunField` rows, or a Run column, or one bare name the vocabulary knows
+(`val/loss`, `eval_loss` -> summary.val/loss; `seq_len` -> hparams.seq_len; kb.vocab). Segments are bare words or double-quoted
 (`summary."val loss"`), the spelling of kb.fields.canonical.
 
 Semantics are two-valued and typed, the same on SQLite and Postgres: a comparison holds only
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Union
 
+from kb import vocab
 from kb.errors import QueryError
 from kb.fields import BARE, NAMESPACES, canonical, leaves, lookup, typed
 
@@ -41,7 +43,7 @@ from kb.fields import BARE, NAMESPACES, canonical, leaves, lookup, typed
 COLUMNS: dict[str, tuple[str, str]] = {
     "id": ("id", "s"), "project": ("project", "s"), "name": ("name", "s"),
     "status": ("status", "s"), "parent": ("parent", "s"), "source_kind": ("source_kind", "s"),
-    "source_uri": ("source_uri", "s"), "hypothesis": ("hypothesis_id", "s"),
+    "source_uri": ("source_uri", "s"), "hypothesis": ("hypothesis", "s"),
     "lr": ("lr", "n"), "batch_size": ("batch_size", "n"), "params": ("params", "n"),
     "tokens": ("tokens", "n"), "flops": ("flops", "n"),
     "started_at": ("started_at", "t"), "ended_at": ("ended_at", "t"), "ingested_at": ("ingested_at", "t"),
@@ -109,6 +111,19 @@ NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 BARE_AT = re.compile(BARE.pattern.removesuffix(r"\Z"))   # the same words fields.quote leaves bare
 OP_AT = re.compile(r"==|!=|<=|>=|=|<|>")
 WORD_CHAR = re.compile(r"[A-Za-z0-9_]")
+
+
+def vocabulary_key(name: str) -> Path | None:
+    """A bare canonical name or alias, as the key it stands for: a metric is its canonical
+    summary (`eval_loss` -> summary.val/loss, which every run answers to whatever its source
+    called it), a hyperparameter its promoted column or `hparams.<canonical>`."""
+    if (scale := vocab.scale_name(name)) is not None:
+        return (scale,) if scale in COLUMNS else ("scale", scale)
+    if (hp := vocab.hparam_name(name)) is not None:
+        return (hp,) if hp in COLUMNS else ("hparams", hp)
+    if (metric := vocab.metric_name(name)) is not None:
+        return ("summary", metric)
+    return None
 
 
 def _fail(text: str, pos: int, message: str) -> QueryError:
@@ -294,8 +309,11 @@ class _Parser:
             if len(path) > 1:
                 raise _fail(self.text, tok.pos, f"{head} is a run column and has no fields")
             return path
+        if len(path) == 1 and (resolved := vocabulary_key(head)):
+            return resolved
         raise _fail(self.text, tok.pos, f"unknown key {head!r}; a key starts with a namespace "
-                    f"({', '.join(NAMESPACES)}) or a column ({', '.join(COLUMNS)})")
+                    f"({', '.join(NAMESPACES)}), is a column ({', '.join(COLUMNS)}) or a metric or "
+                    f"hyperparameter the vocabulary knows (val/loss, train/loss, seq_len, ...)")
 
     def literal(self, key: Path, op: str) -> Literal:
         tok = self.tok
@@ -412,8 +430,6 @@ def evaluate(node: Node, run: dict) -> bool:
 
 
 def _column_value(run: dict, name: str) -> Any:
-    if name == "hypothesis":
-        return run.get("hypothesis", run.get("hypothesis_id"))
     return run.get(name)
 
 
@@ -441,7 +457,7 @@ def _typed_value(run: dict, key: Path) -> tuple[str, Any] | None:
     if not found:
         return None
     try:
-        vtype, num, text = typed(v)       # the writer's typing, so NaN reads as the string 'nan'
+        vtype, num, text = typed(v)       # the writer's typing, so NaN reads as the string 'NaN'
     except TypeError:                     # a dict or list: a prefix, not a value
         return None
     return vtype, {"n": num, "s": text, "b": num == 1.0, "z": None}[vtype]

@@ -2,67 +2,48 @@
 
 The write derives everything a record leaves out: summary from curves, curve stats,
 anomalies and failures, scale from config, the promoted filter columns and the card.
-ORM rows never leave this module: callers get `RunView` / `RunDetail`.
+ORM rows never leave this module: callers get `RunPublic` (kb.models) / `RunDetail`.
 """
 from __future__ import annotations
 
 import hashlib
-import math
 import re
-from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel
 from sqlalchemy import delete, select
 from sqlmodel import Session
 
-from kb import curves
+from kb import curves, vocab
 from kb.cards import run_card
 from kb.fields import field_rows
 from kb.indexer import queue_index
-from kb.models import Ablation, Anomaly, Failure, MetricPoint, Run, RunField, utcnow
-from kb.records import RunRecord, content_hash
+from kb.models import Ablation, Anomaly, Failure, MetricPoint, Run, RunField, RunPublic, utcnow
+from kb.records import RunRecord, content_hash, json_safe
 
 Outcome = Literal["added", "updated", "unchanged"]
 
-# first match wins, searched breadth-first through config so `optim.lr` beats `scheduler.warmup.lr`
-LR_KEYS = ("lr", "learning_rate", "max_lr", "peak_lr", "base_lr", "opt_base_learning_rate")
-BATCH_KEYS = ("global_batch_size", "batch_size", "global_batch", "train_batch_size", "total_batch_size")
-SEQ_KEYS = ("block_size", "seq_len", "sequence_length", "max_seq_len", "context_length")
-LAYER_KEYS = ("n_layer", "num_layers", "n_layers", "num_hidden_layers", "depth")
-WIDTH_KEYS = ("d_model", "n_embd", "hidden_size", "dim", "model_dim")
-VOCAB_KEYS = ("vocab_size", "n_vocab", "padded_vocab_size")
+MAX_TOKENS_PER_STEP = 2**27     # past any real global batch: a batch that big is counted in tokens
 
 
-def find_number(config: dict, names: tuple[str, ...]) -> float | int | None:
-    frontier = [config]
-    while frontier:
-        nxt = []
-        for node in frontier:
-            for name in names:
-                v = node.get(name)
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    return v
-            nxt.extend(v for v in node.values() if isinstance(v, dict))
-        frontier = nxt
-    return None
+def derive_scale(record: RunRecord, stats: dict, hp: dict) -> dict:
+    """Scale as given, filled in from config where it can be computed (and only then).
 
-
-def derive_scale(record: RunRecord, stats: dict) -> dict:
-    """Scale as given, filled in from config where it can be computed (and only then)."""
+    `hp` holds the config's canonical hyperparameters (kb.vocab.canonical_hparams)."""
     scale = record.scale.model_dump(exclude_none=True)
-    cfg = record.config
+    num = {name: value for name, (_, value) in hp.items()}
     if "params" not in scale:
-        layers, width = find_number(cfg, LAYER_KEYS), find_number(cfg, WIDTH_KEYS)
+        layers, width = num.get("n_layer"), num.get("d_model")
         if layers and width:
-            vocab = find_number(cfg, VOCAB_KEYS) or 0
             # 12·L·d² for attention + MLP blocks, plus the (tied) embedding
-            scale["params"] = int(12 * layers * width**2 + vocab * width)
+            scale["params"] = int(12 * layers * width**2 + (num.get("vocab_size") or 0) * width)
     if "tokens" not in scale:
-        batch, seq = find_number(cfg, BATCH_KEYS), find_number(cfg, SEQ_KEYS)
+        batch, seq = num.get("batch_size"), num.get("seq_len")
         last = max((s["last_step"] for s in stats.values()), default=None)
         if batch and seq and last:
-            scale["tokens"] = int(batch * seq * last)
+            # a batch counted in sequences times the sequence length, unless that is more tokens
+            # per step than any real run: then the batch was already counted in tokens
+            per_step = batch * seq if batch * seq <= MAX_TOKENS_PER_STEP else batch
+            scale["tokens"] = int(per_step * last)
     if "flops" not in scale and scale.get("params") and scale.get("tokens"):
         scale["flops"] = 6.0 * scale["params"] * scale["tokens"]      # the usual 6·N·D
     return scale
@@ -101,16 +82,16 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
     status = record.status
     if "status" not in record.model_fields_set and any(f["kind"] == "diverged" for f in failures):
         status = "diverged"
-    summary = {k: s["final"] for k, s in stats.items()} | _finite_summary(record.summary)
-    scale = derive_scale(record, stats)
+    summary = {k: s["final"] for k, s in stats.items()} | json_safe(record.summary)
+    hp = vocab.canonical_hparams(record.config)
+    scale = derive_scale(record, stats, hp)
     anomalies = [vars(f) for f in findings]
     fields = dict(
         project=record.project, name=record.name or run_id, status=status, config=record.config,
         scale=scale, summary=summary, stats=stats, tags=record.tags, notes=record.notes,
-        parent=record.parent, hypothesis_id=record.hypothesis, started_at=record.started_at,
+        parent=record.parent, hypothesis=record.hypothesis, started_at=record.started_at,
         ended_at=record.ended_at, code=record.code.model_dump(exclude_none=True) if record.code else {},
-        meta=record.meta, lr=find_number(record.config, LR_KEYS),
-        batch_size=_int(find_number(record.config, BATCH_KEYS)), params=scale.get("params"),
+        meta=record.meta, lr=_hp(hp, "lr"), batch_size=_int(_hp(hp, "batch_size")), params=scale.get("params"),
         tokens=scale.get("tokens"), flops=scale.get("flops"),
         source_kind=source_kind, source_uri=source_uri, content_hash=digest, ingested_at=utcnow(),
     )
@@ -126,7 +107,7 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
                   "anomalies": curves.anomaly_summary(findings),
                   "failure": {k: failures[0].get(k) for k in ("kind", "step")} if failures else {},
                   "tags": {t: True for t in record.tags}}
-    _bulk(session, RunField, field_rows(run_id, namespaces))
+    _bulk(session, RunField, field_rows(run_id, vocab.with_canonical(namespaces, hp)))
     _bulk(session, MetricPoint, [
         (run_id, key, i, p[0], None if p[1] != p[1] else p[1], p[2] if len(p) > 2 else None)   # NaN -> NULL
         for key, pts in metrics.items() for i, p in enumerate(pts)],
@@ -170,46 +151,15 @@ def _int(v):
     return int(v) if v is not None else None
 
 
-def _finite_summary(summary: dict) -> dict:
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+def _hp(hp: dict, name: str):
+    return hp[name][1] if name in hp else None
 
 
 # ---- reading ----------------------------------------------------------------------------
 
 
-class RunView(BaseModel):
-    id: str
-    project: str
-    name: str
-    status: str
-    config: dict
-    scale: dict
-    summary: dict
-    tags: list[str]
-    notes: str = ""
-    parent: str | None = None
-    hypothesis: str | None = None
-    started_at: datetime | None = None
-    ended_at: datetime | None = None
-    code: dict = {}
-    stats: dict = {}
-    meta: dict = {}
-    source: dict = {}
-
-    @classmethod
-    def of(cls, row: Run) -> "RunView":
-        return cls(id=row.id, project=row.project, name=row.name, status=row.status, config=row.config,
-                   scale=row.scale, summary=row.summary, tags=row.tags, notes=row.notes, parent=row.parent,
-                   hypothesis=row.hypothesis_id, started_at=row.started_at, ended_at=row.ended_at,
-                   code=row.code, stats=row.stats, meta=row.meta,
-                   source={"kind": row.source_kind, "uri": row.source_uri,
-                           "ingested_at": row.ingested_at.isoformat(), "content_hash": row.content_hash})
-
-    def as_dict(self) -> dict:
-        return self.model_dump(mode="json")
-
-
-class RunDetail(RunView):
+class RunDetail(RunPublic):
+    """One run with everything about it: its curves, failures, anomalies and ablations."""
     metrics: dict[str, list[list[Any]]] = {}
     failures: list[dict] = []
     anomalies: list[dict] = []
@@ -218,7 +168,7 @@ class RunDetail(RunView):
 
 
 def read_detail(session: Session, row: Run) -> RunDetail:
-    view = RunView.of(row).model_dump()
+    view = RunPublic.of(row).model_dump()
     metrics: dict[str, list[list[Any]]] = {}
     pts = session.execute(select(MetricPoint.key, MetricPoint.step, MetricPoint.value, MetricPoint.wall_time)
                           .where(MetricPoint.run_id == row.id).order_by(MetricPoint.key, MetricPoint.seq))

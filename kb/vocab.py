@@ -166,6 +166,33 @@ def canonical_metrics(keys) -> dict[str, str]:
     return out
 
 
+def with_canonical(namespaces: dict[str, Any], hp: dict[str, tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+    """The namespaces a run is queried by, with its canonical names added beside the logged ones.
+
+    `summary` and `stats` also answer to each metric's canonical name (an `eval_loss` curve is
+    found by `summary.val/loss`), and `hparams` holds the canonical hyperparameters found in the
+    config (`hparams.lr`, `hparams.seq_len`). What was logged is untouched: this is only what
+    queries see."""
+    out = dict(namespaces)
+    for ns in ("summary", "stats"):
+        logged = namespaces.get(ns) or {}
+        extra = {canon: logged[key] for canon, key in canonical_metrics(logged).items() if canon not in logged}
+        if extra:
+            out[ns] = {**logged, **extra}
+    out["hparams"] = {name: value for name, (_, value) in hp.items()}
+    return out
+
+
+def canonical_view(config: dict, summary: dict) -> dict[str, dict]:
+    """{canonical name: {"key": where the run logged it, "value": ...}}, hyperparameters then
+    metrics: what `kb show` prints beside the run as logged."""
+    view = {name: {"key": "config." + ".".join(path), "value": value}
+            for name, (path, value) in canonical_hparams(config).items()}
+    for canon, key in canonical_metrics(summary).items():
+        view.setdefault(canon, {"key": f"summary.{key}", "value": summary[key]})
+    return view
+
+
 def column_target(column: str) -> str | None:
     """Where a table column goes: `scale.params`, `summary.<column>`, `config.<column>`, or None.
 
@@ -188,7 +215,7 @@ def column_target(column: str) -> str | None:
 
 def _alias_rank(canon: str, key: str) -> int:
     f = fold(key)
-    aliases = [fold(a) for a in (canon, *HPARAMS[canon])]
+    aliases = [fold(a) for a in HPARAMS[canon]]       # in order of preference
     return aliases.index(f) if f in aliases else len(aliases)
 
 

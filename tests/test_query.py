@@ -39,7 +39,7 @@ def store(engine, records: list[dict]) -> None:
         for r in records:
             json_cols = {ns: r.get(ns, [] if ns == "tags" else {})
                          for ns in ("config", "summary", "scale", "stats", "tags") if _json_safe(r.get(ns))}
-            s.add(Run(**{c: r[c] for c in RUN_COLUMNS if c in r}, hypothesis_id=r.get("hypothesis"), **json_cols))
+            s.add(Run(**{c: r[c] for c in RUN_COLUMNS if c in r}, hypothesis=r.get("hypothesis"), **json_cols))
         s.commit()
     rows = [row for r in records for row in field_rows(r["id"], {ns: r[ns] for ns in NAMESPACES if ns in r})]
     if rows:
@@ -127,9 +127,9 @@ def hand(engine):
     ("config.optim.lr < 'z'", {"r4"}),
     ("config.layers.2 = 4 and config.layers.0 == 1", {"r1"}),
     ("tags.0 = 'baseline'", {"r1"}),
-    ("summary.val/loss = 'nan'", {"r4"}),                      # NaN is kept as the string 'nan'
+    ("summary.val/loss = 'NaN'", {"r4"}),                      # NaN is kept as the string 'NaN'
     ("summary.val/loss > 0", {"r1", "r2", "r3"}),
-    ("summary.train/loss = 'inf'", {"r4"}),
+    ("summary.train/loss = 'Infinity'", {"r4"}),
     # Run columns, with the same typed rules
     ("lr >= 1e-3", {"r2"}),
     ("params > 1e8", {"r1"}),
@@ -343,7 +343,7 @@ def test_sort_matches_python(populated):
 
 
 def test_sort_hand(hand):
-    assert sql_order(hand, '-summary."val/loss"') == ["r2", "r3", "r1", "r4"]    # 'nan' is a string: after numbers
+    assert sql_order(hand, '-summary."val/loss"') == ["r2", "r3", "r1", "r4"]    # 'NaN' is a string: after numbers
     assert sql_order(hand, "lr") == ["r1", "r2", "r3", "r4"]
     assert sql_order(hand, "lr desc") == ["r2", "r1", "r3", "r4"]               # missing last both ways
     assert sql_order(hand, "project, -name") == ["r4", "r1", "r2", "r3"]
@@ -387,7 +387,7 @@ def test_apply_query_matches_reference(populated, case):
 def test_apply_query_hand(hand):
     assert joined_order(hand, None, '-summary."val/loss"') == ["r2", "r3", "r1", "r4"]
     assert joined_order(hand, "summary.val/loss > 0", "-summary.val/loss") == ["r2", "r3", "r1"]
-    assert joined_order(hand, "summary.val/loss >= 'a'", "summary.val/loss") == ["r4"]       # 'nan'
+    assert joined_order(hand, "summary.val/loss >= 'A'", "summary.val/loss") == ["r4"]       # 'NaN'
     assert joined_order(hand, "(project = 'a' and config.optim exists) and lr > 0", "-started_at") == ["r1"]
     assert joined_order(hand, "config.flag in (1, true)", "config.flag") == ["r2", "r1"]          # mixed types
     assert joined_order(hand, "config.flag in (1, true) and config.flag != 2", "-config.flag") == ["r2"]

@@ -7,7 +7,7 @@ import click
 
 from kb.cli.output import emit_json, num, table
 
-PREFERRED_METRICS = ("val/loss", "val_loss", "eval/loss", "loss", "train/loss")
+RESULT_METRICS = ("val/loss", "train/loss")     # canonical names (kb.vocab), whatever the source logged
 
 
 def register(cli: click.Group) -> None:
@@ -74,9 +74,9 @@ def runs(obj, where, sort, limit, project, as_json):
         return
     rows = []
     for r in found:
-        metric = next((m for m in PREFERRED_METRICS if m in r.summary), None)
-        rows.append([r.id, r.project, r.name, r.status, num(r.config and _lr(r)), num(r.scale.get("params")),
-                     f"{metric}={num(r.summary[metric])}" if metric else ""])
+        metric = next((m for m in RESULT_METRICS if m in r.canonical), None)
+        rows.append([r.id, r.project, r.name, r.status, num(r.lr), num(r.params),
+                     f"{metric}={num(r.canonical[metric]['value'])}" if metric else ""])
     table(rows, ["id", "project", "name", "status", "lr", "params", "result"])
     click.echo(f"{len(found)} run(s)", err=True)
 
@@ -97,6 +97,9 @@ def show(obj, run, as_json, points):
         return
     click.echo(d.card)
     click.echo(f"source: {d.source['kind']} {d.source['uri']}")
+    if d.canonical:
+        click.echo("canonical: " + " ".join(f"{name}={num(c['value'])}" + ("" if c["key"].endswith("." + name) else
+                                            f" ({c['key']})") for name, c in d.canonical.items()))
     for key, s in sorted(d.stats.items()):
         click.echo(f"curve {key}: {s['points']} points, steps {s['first_step']}..{s['last_step']}, "
                    f"final {num(s.get('final'))}, best {num(s.get('best'))} at {s.get('best_step', '-')}")
@@ -141,11 +144,6 @@ def search(obj, text, limit, kind, project, where, as_json):
         return
     table([[f"{h.score:.3f}", h.payload.get("kind"), h.payload.get("ref_id"), h.payload.get("label", "")]
            for h in hits], ["score", "kind", "id", "name"])
-
-
-def _lr(r):
-    from kb.runs import LR_KEYS, find_number
-    return find_number(r.config, LR_KEYS)
 
 
 def _short(src: str) -> str:
