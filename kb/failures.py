@@ -151,9 +151,11 @@ def classify(lines: list[str], ranks: list[int | None] | None = None,
     root = root or sorted((k for k in ("oom", "diverged", "nccl_timeout", "timeout") if k in hits), key=hits.get)[:1]
     if root:
         i = hits[root[0]]
-        # raised inside a traceback: the error happened before its first line was printed
-        at = next((start for start, end, _ in blocks if start <= i <= end), i)
-        return Failure(root[0], step_before(events, at), trim(lines[i].strip()), evidence(lines, ranks, i, blocks))
+        # raised inside a traceback: the error happened before its first line was printed, and the
+        # exception line says it better than the frame's source line that happened to match
+        block = next(((start, exc) for start, end, exc in blocks if start <= i <= end), None)
+        at, message = block if block else (i, lines[i].strip())
+        return Failure(root[0], step_before(events, at), trim(message), evidence(lines, ranks, i, blocks))
     real = [b for b in blocks if not any(w in b[2].split(":")[0] for w in WRAPPERS)]
     if real:
         start, end, exc = real[-1]

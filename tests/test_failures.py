@@ -58,3 +58,13 @@ def test_classify_a_nonfinite_loss_event_is_divergence():
 
 def test_classify_clean_lines_is_none():
     assert classify(["loading data", "step 1 loss 2.0", "done"]) is None
+
+
+def test_classify_names_the_exception_when_a_frame_line_matched_first():
+    lines = ["step 3 loss 2.0", "Traceback (most recent call last):", '  File "train.py", line 9, in <module>',
+             '    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")',
+             "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    f = classify(lines, [None] * 5, [(0, 3, {"train/loss": 2.0})])
+    assert (f.kind, f.step) == ("oom", 3)
+    assert f.message == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert f.evidence.startswith("Traceback") and f.evidence.endswith("2.00 GiB")

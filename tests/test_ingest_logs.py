@@ -1,12 +1,15 @@
 """The training-log ingester: real logs captured from tiny torch training scripts run as
-subprocesses (a clean run, a NaN divergence, a crash, a SIGKILL reported by the launching shell),
-plus short literal samples of formats no local library produces (Megatron, llm.c, MLPerf,
-torchrun prefixes, OOM/NCCL/Xid messages)."""
+subprocesses (a clean run, a NaN divergence, a crash, a SIGKILL reported by the launching shell,
+ranks under torchrun), verbatim excerpts of public logs in tests/data/logs (modded-nanogpt's
+speedrun, llm.c's stdout and main.log, nanoGPT, Megatron, NeMo, MLPerf; tests/data/logs/README.md
+says where each comes from), plus short literal samples of failure messages (OOM/NCCL/Xid)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +20,13 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session
 
-from ingest.base import Parsed, Rejected
+from ingest.log_code import find_code
+from ingest.log_config import arithmetic, literal
 from ingest.logs import LogIngester, classify_failure, parse_log, parse_metric_line
 from ingest.notes import NotesIngester
+from kb.records import Parsed, Rejected
+
+DATA = Path(__file__).parent / "data" / "logs"
 
 TRAIN = textwrap.dedent('''
     """A nanoGPT-shaped toy loop: linear regression, printing the lines nanoGPT prints."""
@@ -297,6 +304,15 @@ def test_json_config_dump_at_the_top():
     assert rec["metrics"]["train/loss"] == [[1, 3.0], [2, 2.5]]
 
 
+def test_yaml_dump_at_the_top_is_nested_config():
+    yaml = pytest.importorskip("yaml")
+    dumped = yaml.safe_dump({"model": {"n_layer": 12, "d_model": 768}, "optim": {"lr": 3e-4, "betas": [0.9, 0.95]},
+                             "resume": None, "compile": True, "data": "/data/fineweb/*.bin"}, sort_keys=False)
+    rec = parse_log(dumped + "step 1 | loss 3.0\nstep 2 | loss 2.5\n", "yaml")
+    assert rec["config"] == {"model": {"n_layer": 12, "d_model": 768}, "optim": {"lr": 3e-4, "betas": [0.9, 0.95]},
+                             "resume": None, "compile": True, "data": "/data/fineweb/*.bin"}
+
+
 MLPERF = """\
 :::MLLOG {"namespace": "", "time_ms": 1714557600000, "event_type": "POINT_IN_TIME", "key": "submission_benchmark", "value": "gpt3", "metadata": {"file": "train.py", "lineno": 10}}
 :::MLLOG {"namespace": "", "time_ms": 1714557600001, "event_type": "POINT_IN_TIME", "key": "global_batch_size", "value": 1536, "metadata": {"file": "train.py", "lineno": 11}}
@@ -414,3 +430,351 @@ def test_kb_ingest_reads_a_folder_of_logs_once(logs, tmp_path):
     assert {n: r.status for n, r in by_name.items()} == {"normal": "completed", "crash": "failed", "killed": "killed"}
     assert crash.failures[0]["kind"] == "exception" and crash.failures[0]["step"] == 6
     assert crash.config["crash_at"] == 7
+
+
+# ---- logs that print their own source (modded-nanogpt's speedrun) --------------------------------
+
+SPEEDRUN = DATA / "speedrun" / "081087e4-affa-4df9-8b5e-b2aea5b5f688.txt"
+SPEEDRUN_CONFIG = {"train_files": "data/fineweb10B/fineweb_train_*.bin",
+                   "val_files": "data/fineweb10B/fineweb_val_*.bin", "val_tokens": 10485760, "batch_size": 524288, "num_iterations": 1395, "cooldown_frac": 0.4,
+                   "val_loss_every": 125, "seq_len": 65536, "save_checkpoint": False}
+
+
+def test_speedrun_log_keeps_the_script_as_code_and_its_hyperparameters_as_config():
+    text = SPEEDRUN.read_text()
+    rec = parse_log(text, "speedrun")
+    # the printed `class Hyperparameters` is the config, `8*64*1024` evaluated; nothing else in the
+    # script is (`self.attn_scale = 0.12`, `lr=0.05` in a call, `rank = int(...)`, `code = f.read()`)
+    assert rec["config"] == SPEEDRUN_CONFIG
+    source = rec["code"]["source"]
+    assert source.startswith("import os\nimport sys\n") and source.endswith("dist.destroy_process_group()")
+    assert rec["code"]["source_sha256"] == hashlib.sha256(source.encode()).hexdigest()
+    assert source == text.split("\n\n====", 1)[0]          # all of the script, none of what it printed
+    m = rec["metrics"]
+    assert m["val/loss"] == [[0, 10.8258], [250, 3.9847], [375, 3.7906], [1375, 3.2856], [1395, 3.2814]]
+    assert m["train_time_ms"][1] == [1, 26020.0] and m["step_avg_ms"][0] == [13, 122.56]
+    assert rec["meta"]["total_steps"] == 1395 and rec["status"] == "completed" and "failure" not in rec
+    assert LogIngester().detect(str(SPEEDRUN)) == 85
+
+
+def test_speedrun_val_line_is_read():
+    assert parse_metric_line("step:125/1390 val_loss:4.3121 train_time:13234ms step_avg:105.87ms") == \
+        (125, {"val/loss": 4.3121, "train_time_ms": 13234.0, "step_avg_ms": 105.87})
+    assert parse_metric_line("step:1/1395 train_time:26020ms step_avg:nanms") == (1, {"train_time_ms": 26020.0})
+
+
+# the script in the shape of later speedrun records (annotated fields), with the lines that used to
+# come out as config: `self.n_head = config.n_head`, `loss = None`, `raw_model = model.module`, an lr
+JUNK_SCRIPT = textwrap.dedent('''\
+    """A speedrun-shaped training script; it prints itself first."""
+    import os
+    import torch
+    from dataclasses import dataclass
+
+    @dataclass
+    class Hyperparameters:
+        train_files : str = "data/fineweb10B/fineweb_train_*.bin" # input .bin to train on
+        batch_size : int = 8*64*1024 # batch size, in tokens
+        num_iterations : int = 1390 # number of iterations to run
+        cooldown_frac : float = 0.4 # fraction of training spent cooling down the learning rate
+        lr_peak : float = 3e-4 / 2
+        window : int = 2**17
+        run_id : str = f"run-{os.getpid()}"
+    args = Hyperparameters()
+
+    class CausalSelfAttention(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.n_head = config.n_head
+            self.scale = 0.12
+
+    def get_lr(it):
+        lr = 1
+        return lr * (1 - it / args.num_iterations)
+
+    loss = None
+    raw_model = model.module
+    # step 100: loss 4.2 is what a good run prints here (a comment, not a metric)
+    if os.environ.get("RANK") == "0":
+        signal_note = "SIGTERM received"          # strings in code are not how the run ended
+        oom_note = "CUDA out of memory"
+        print("Traceback (most recent call last):")
+    for step in range(args.num_iterations + 1):
+        pass
+    ''')
+
+
+def _speedrun_log(script: str, printed: str = "") -> str:
+    return script + "\n" + "=" * 100 + "\n" + printed + textwrap.dedent("""\
+        Running PyTorch 2.7.0 compiled for CUDA 12.6
+        ====================================================================================================
+        step:0/1390 val_loss:10.8258 train_time:0ms step_avg:nanms
+        step:1/1390 train_time:26020ms step_avg:nanms
+        step:125/1390 val_loss:4.3121 train_time:13234ms step_avg:105.87ms
+        step:1390/1390 val_loss:3.2790 train_time:147190ms step_avg:105.89ms
+        """)
+
+
+def test_printed_script_yields_its_hyperparameters_evaluated_and_no_key_from_the_code():
+    rec = parse_log(_speedrun_log(JUNK_SCRIPT), "train_gpt")
+    assert rec["config"] == {"train_files": "data/fineweb10B/fineweb_train_*.bin", "batch_size": 524288,
+                             "num_iterations": 1390, "cooldown_frac": 0.4, "lr_peak": 1.5e-4, "window": 131072,
+                             "run_id": 'f"run-{os.getpid()}"'}      # not evaluable: kept as its text
+    assert rec["code"]["source"] == JUNK_SCRIPT.rstrip("\n")
+    assert rec["metrics"]["val/loss"] == [[0, 10.8258], [125, 4.3121], [1390, 3.279]]
+    assert rec["status"] == "completed" and "failure" not in rec     # SIGTERM / OOM / Traceback are code
+
+
+def test_what_the_program_printed_wins_over_the_scripts_defaults():
+    printed = textwrap.dedent("""\
+        + torchrun --standalone --nproc_per_node=8 train_gpt.py --num_iterations 1500 --lr=3e-4 --betas 0.9 0.95 --compile
+        Hyperparameters(batch_size=8*64*1024, num_iterations=1500, cooldown_frac=0.45, val_tokens=10485760)
+        """)
+    rec = parse_log(_speedrun_log(JUNK_SCRIPT, printed), "train_gpt")
+    cfg = rec["config"]
+    assert cfg["num_iterations"] == 1500 and cfg["cooldown_frac"] == 0.45 and cfg["val_tokens"] == 10485760
+    assert cfg["batch_size"] == 524288 and cfg["lr"] == 3e-4 and cfg["betas"] == [0.9, 0.95] and cfg["compile"] is True
+    assert "nproc_per_node" not in cfg and "standalone" not in cfg        # the launcher's, not the run's
+    assert rec["code"]["entrypoint"] == "train_gpt.py" and rec["code"]["argv"][0] == "torchrun"
+
+
+def test_without_a_script_the_printed_repr_alone_is_the_config():
+    text = "Hyperparameters(batch_size=8*64*1024, num_iterations=1390, cooldown_frac=0.4)\n" \
+           "step:1/1390 train_time:100ms step_avg:100.00ms\n"
+    rec = parse_log(text, "r")
+    assert rec["config"] == {"batch_size": 524288, "num_iterations": 1390, "cooldown_frac": 0.4} and "code" not in rec
+
+
+def test_a_script_longer_than_the_detection_head_is_still_a_log(tmp_path):
+    body = "".join(f"def f{i}(x):\n    return x * {i}  # {'pad ' * 40}\n\n" for i in range(2000))
+    path = tmp_path / "b1e2c3.txt"
+    path.write_text(_speedrun_log("import torch\n" + body))
+    assert path.stat().st_size > 300_000
+    assert LogIngester().detect(str(path)) == 85
+    (item,) = LogIngester().read(str(path))
+    assert isinstance(item, Parsed) and item.record.code.model_extra["source"].startswith("import torch")
+
+
+def test_a_printed_config_file_of_assignments_is_config_not_code():
+    # nanoGPT prints its config file (configurator.py); verbatim run: tests/data/logs/README.md
+    rec = parse_log((DATA / "nanogpt_shakespeare_char.log").read_text(), "shakespeare")
+    assert "code" not in rec
+    assert rec["config"] == {"out_dir": "out-shakespeare-char", "eval_interval": 250, "eval_iters": 200,
+                             "log_interval": 10, "always_save_checkpoint": False, "wandb_log": False,
+                             "wandb_project": "shakespeare-char", "wandb_run_name": "mini-gpt",
+                             "dataset": "shakespeare_char", "gradient_accumulation_steps": 1, "batch_size": 64,
+                             "block_size": 256, "n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2,
+                             "learning_rate": 1e-3, "max_iters": 5000, "lr_decay_iters": 5000, "min_lr": 1e-4,
+                             "beta2": 0.99, "warmup_iters": 100, "device": "mps", "compile": False}
+    assert rec["metrics"]["val/loss"] == [[0, 4.2823], [250, 2.0676]]
+    assert rec["metrics"]["train/loss"][-1] == [260, 1.9755] and rec["metrics"]["mfu"][0] == [0, -100.0]
+    # a config file that imports something is still a config file: only assignments, no logic
+    with_import = "import time\nout_dir = 'out-shakespeare'\nwandb_run_name = 'ft-' + str(time.time())\n" \
+                  "batch_size = 1\ngradient_accumulation_steps = 32\niter 0: loss 4.0\n"
+    rec = parse_log(with_import, "ft")
+    assert rec["config"] == {"out_dir": "out-shakespeare", "batch_size": 1, "gradient_accumulation_steps": 32}
+
+
+@pytest.mark.parametrize("module", ["argparse", "dataclasses", "typing"])
+def test_a_long_real_script_printed_first_is_kept_whole(module):
+    # real source of any size and style: the stdlib's own files, printed the way the speedrun prints itself
+    import importlib
+    import inspect
+    source = inspect.getsource(importlib.import_module(module)).strip("\n")
+    rec = parse_log(_speedrun_log(source), module)
+    assert rec["code"]["source"] == source
+    assert rec["config"] == {} and rec["status"] == "completed"
+    assert rec["metrics"]["val/loss"] == [[0, 10.8258], [125, 4.3121], [1390, 3.279]]
+
+
+def test_code_blocks_are_found_with_their_docstring_and_end_at_the_programs_output():
+    lines = ['"""Train a model.', "", 'Usage: python train.py"""', "import os", "", "def main():",
+             "    cfg = dict(", "        lr=0.1,", ")", "    return cfg", "", "print(", "    main()", ")",
+             '{"step": 1, "loss": 2.0}', "Namespace(lr=0.1)"]
+    assert find_code(lines) == [(0, 14)]
+    assert find_code(["import os", "x = 1", "y = 2"]) == []          # imports and assignments: a config file
+    assert find_code(["lr = 0.1", "step 1: loss 2.0"]) == []
+
+
+# ---- values: literals and safe arithmetic ----------------------------------------------------------
+
+@pytest.mark.parametrize("text,value", [
+    ("8*64*1024", 524288), ("2048 * 24 * 8", 393216), ("3e-4 / 2", 1.5e-4), ("2**17", 131072),
+    ("-2**3", -8), ("(1 + 2) * 3", 9), ("7 // 2", 3), ("10 % 4", 2), ("-0.5", -0.5),
+])
+def test_arithmetic_is_evaluated(text, value):
+    assert arithmetic(text) == value and type(arithmetic(text)) is type(value)
+
+
+@pytest.mark.parametrize("text", ["9**9**9", "10**400", "2**100000", "1/0", "x * 2", "len('ab')", "os.getpid()",
+                                  "True * 3", "'a' * 3", "(-8) ** 0.5", "1e308 * 10", "[1] * 3", "2 ** -2000",
+                                  "9" * 300])
+def test_arithmetic_refuses_names_calls_and_huge_results(text):
+    assert arithmetic(text) is None
+
+
+def test_printed_values_fall_back_to_text_for_bare_words():
+    assert literal("8*64*1024 # tokens") == (True, 524288)
+    assert literal("'data/*.bin'") == (True, "data/*.bin") and literal("data/*.bin") == (True, "data/*.bin")
+    assert literal("torch.bfloat16") == (True, "torch.bfloat16")
+    assert literal("the cosine schedule") == (False, None)
+
+
+# ---- llm.c: stdout and main.log -------------------------------------------------------------------
+
+def test_llmc_gpu_stdout_reads_the_settings_table_and_step_lines():
+    path = DATA / "llmc_gpu_stdout.log"
+    rec = parse_log(path.read_text(), "llmc")
+    cfg = rec["config"]
+    assert cfg["micro_batch_size"] == 4 and cfg["sequence_length"] == 1024 and cfg["total_batch_size"] == 4096
+    assert cfg["learning_rate"] == 3e-4 and cfg["lr_scheduler"] == "cosine" and cfg["weight_decay"] == 0.0
+    assert cfg["num_layers"] == 12 and cfg["num_heads"] == 12 and cfg["channels"] == 768
+    assert cfg["num_parameters"] == 124475904 and cfg["device"] == "NVIDIA GeForce RTX 3060 Laptop GPU"
+    assert cfg["train_data_pattern"] == "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"
+    assert "parameter" not in cfg and "zero_optimization_is_disabled" not in cfg
+    m = rec["metrics"]
+    assert m["val/loss"] == [[0, 4.503414]]
+    assert m["train/loss"] == [[1, 4.283499], [42, 3.364718], [43, 3.361276]]
+    assert m["grad_norm"][0] == [1, 13.0082] and m["lr"][0] == [1, 3e-4] and m["time_ms"][0] == [1, 349.48]
+    assert m["mfu"][0] == [1, -100.0] and m["tokens_per_sec"][0] == [1, 11720.0]
+    assert rec["meta"]["total_steps"] == 74 and rec["status"] == "completed"
+
+
+def test_llmc_cpu_stdout():
+    rec = parse_log((DATA / "llmc_cpu_stdout.txt").read_text(), "llmc-cpu")
+    assert rec["config"] == {"max_seq_len": 1024, "vocab_size": 50257, "num_layers": 12, "num_heads": 12,
+                             "channels": 768, "num_parameters": 124439808, "num_activations": 73323776}
+    assert rec["metrics"]["val/loss"] == [[0, 5.252026], [39, 4.107781]]
+    assert [p[0] for p in rec["metrics"]["train/loss"]] == [0, 1, 2, 3, 39]
+    assert rec["metrics"]["took_ms"][0] == [0, 1452.121]
+
+
+def test_llmc_main_log_is_claimed_and_named_by_its_folder():
+    path = DATA / "gpt2_124M_shakespeare" / "main.log"
+    assert LogIngester().detect(str(path)) == 85
+    (item,) = LogIngester().read(str(path))
+    record = item.record
+    assert record.name == "gpt2_124M_shakespeare"
+    assert record.metrics["train/loss"] == [(0, 4.2835), (41, 3.3647), (42, 3.3613)]
+    assert record.metrics["val/loss"] == [(0, 4.5034)]
+    assert record.metrics["lr"][0] == (0, 0.0003) and record.metrics["grad_norm"][0] == (0, 13.01)
+    # tel only (modded-nanogpt's GPT-2 medium record), under another name
+    rec = parse_log((DATA / "gpt2_medium" / "main.log").read_text(), "main")
+    assert rec["metrics"]["val/loss"][0] == [0, 10.983] and rec["metrics"]["val/loss"][-1] == [60000, 2.9282]
+    renamed = Path(DATA / "gpt2_medium" / "main.log").read_text()
+    assert sum(parse_metric_line(x) is not None for x in renamed.splitlines()) == 8
+
+
+def test_llmc_main_log_line_shapes():
+    # the format strings of llmc/logger.h, and the older python trainer's `s:%d trl:%f`
+    assert parse_metric_line("s:%d trl:%.4f lr:%.6f norm:%.2f" % (1, 10.9812, 6e-06, 15.2341)) == \
+        (1, {"train/loss": 10.9812, "lr": 6e-06, "grad_norm": 15.23})
+    assert parse_metric_line("s:%d tel:%.4f" % (0, 10.9876)) == (0, {"val/loss": 10.9876})
+    assert parse_metric_line("s:%d eval:%.4f" % (250, 0.2834)) == (250, {"hellaswag_acc": 0.2834})
+    assert parse_metric_line("s:0 trl:10.965596") == (0, {"train/loss": 10.965596})     # modded-nanogpt, June 2024
+    assert math.isnan(parse_metric_line("s:7 trl:-nan lr:0.000300 norm:nan")[1]["train/loss"])
+    assert parse_metric_line("s:1 is the first step") is None
+
+
+# ---- Megatron, NeMo, MLPerf --------------------------------------------------------------------------
+
+def test_megatron_argument_dump_and_validation_lines():
+    rec = parse_log((DATA / "megatron_gpt2_345m.log").read_text(), "megatron")
+    cfg = rec["config"]
+    assert cfg["lr"] == 0.00015 and cfg["global_batch_size"] == 8 and cfg["micro_batch_size"] == 4
+    assert cfg["num_layers"] == 24 and cfg["hidden_size"] == 1024 and cfg["fp16"] is True
+    assert cfg["data_path"] == ["./data/meg-gpt2_text_document"] and cfg["params_dtype"] == "torch.float16"
+    assert "wandb_project" not in cfg and "evaluate" not in cfg and "model-and-optimizer-setup" not in cfg
+    assert rec["metrics"]["val/loss"] == [[1, 11.03246], [2, 11.029]]
+    assert rec["metrics"]["val/ppl"] == [[1, 61849.32], [2, 61635.99]]
+    rec = parse_log((DATA / "megatron_iterations.log").read_text(), "megatron")
+    m = rec["metrics"]
+    assert m["train/loss"] == [[122, 2.50422], [123, 2.493043], [124, 2.559583], [125, 2.477393]]
+    assert m["lr"][0] == [122, 9.15e-06] and m["grad_norm"][-1] == [125, 0.356]
+    assert m["elapsed_time_per_iteration_ms"][0] == [122, 86545.2] and rec["meta"]["total_steps"] == 250000
+
+
+def test_nemo_progress_bar_nan_loss_is_diverged():
+    rec = parse_log((DATA / "nemo_nan.log").read_text(), "nemo")
+    assert rec["status"] == "diverged" and rec["failure"]["step"] == 9000      # global_step=9e+3
+    assert rec["failure"]["message"] == "train/loss is nan at step 9000"
+    assert rec["metrics"]["val/loss"] == [[9000, 7.04238]]       # ModelCheckpoint's line, more digits
+    assert set(rec["metrics"]) <= {"train/loss", "val/loss", "epoch", "v_num", "consumed_samples",
+                                   "train_step_timing_in_s"}
+    rec = parse_log((DATA / "nemo2_bionemo.log").read_text(), "nemo2")
+    assert rec["metrics"]["train/loss"][0] == [120, 1.233] and rec["metrics"]["lr"][0] == [120, 3e-05]
+    assert rec["metrics"]["consumed_samples"][-1] == [125, 126.0] and rec["status"] == "completed"
+
+
+def test_mlperf_events_between_python_dict_lines():
+    rec = parse_log((DATA / "mlperf_bert_result.txt").read_text(), "bert")
+    assert rec["metrics"]["eval_accuracy"][0] == [1210432, 0.7091760635375977, 1684505482.468]
+    assert rec["metrics"]["val/loss"][0] == [2679, 1.3657647371292114]
+    assert rec["metrics"]["eval_mlm_accuracy"][-1] == [3684, 0.7132415771484375]
+    assert rec["config"] == {} and rec["status"] == "completed"
+
+
+# ---- torchrun: ranks, key=value lines, a child that fails ------------------------------------------
+
+RANKED = textwrap.dedent('''
+    import os, time
+    rank = int(os.environ["RANK"])
+    print(f"world_size={os.environ['WORLD_SIZE']} lr=3e-4 batch_size=8", flush=True)
+    loss = 4.0
+    if rank == 1:
+        time.sleep(1.0)          # rank 0 logs every step first, so the failure's step is known
+    for step in range(1, 6):
+        loss *= 0.9 if rank == 0 else 0.95
+        print(f"step={step} loss={loss:.4f} lr=3.0e-04 grad_norm={1.0 / step:.3f}", flush=True)
+        if rank == 1 and step == 4:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+''')
+
+
+@pytest.mark.slow
+def test_torchrun_tee_prefixes_key_value_lines_and_a_failed_rank(tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    (tmp_path / "ranked.py").write_text(RANKED)
+    done = subprocess.run([torchrun, "--nproc_per_node=2", "--tee", "3", "ranked.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    text = done.stdout + done.stderr
+    assert done.returncode != 0 and "[default1]:Traceback" in text
+    rec = parse_log(text, "ranked")
+    assert rec["config"] == {"world_size": 2, "lr": 3e-4, "batch_size": 8}
+    assert rec["metrics"]["train/loss"] == [[1, 3.6], [2, 3.24], [3, 2.916], [4, 2.6244], [5, 2.362]]   # rank 0's
+    f = rec["failure"]
+    assert f["kind"] == "oom" and f["step"] == 5 and rec["status"] == "failed"
+    assert f["message"] == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"     # not torchrun's wrapper
+    assert "ranked.py" in f["evidence"]
+
+
+# ---- a folder of logs mixed with files that are not runs ------------------------------------------
+
+def test_a_folder_of_real_logs_and_other_files(tmp_path):
+    from kb.api import KnowledgeBase
+
+    folder = tmp_path / "runs"
+    shutil.copytree(DATA, folder)
+    (folder / "loss_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    (folder / "train.py").write_text("import torch\nprint('step 1: loss 2.0')\n")
+    (folder / "sweep.yaml").write_text("lr: [1e-4, 3e-4]\n")
+    (folder / "ckpt.pt").write_bytes(b"PK\x03\x04" + bytes(64))
+    (folder / "ideas.txt").write_text("We trained 3 models for 10 days on 512 GPUs.\nThe loss was fine.\n")
+    logs = sorted(p for p in DATA.rglob("*") if p.is_file() and p.suffix != ".md")
+    with KnowledgeBase.open(home=tmp_path / "kb") as k:
+        first = k.ingest(str(folder), index=False)
+        second = k.ingest(str(folder), index=False)
+        runs = {r.name: r for r in k.runs()}
+        speedrun = k.run(runs[SPEEDRUN.stem].id)
+    assert first.failed == [] and second.failed == []
+    names = {p.parent.name if p.name == "main.log" else p.stem for p in logs}
+    assert set(runs) == names                    # every log a run; README, notes and the rest are not
+    assert second.unchanged == first.added
+    skipped = {Path(s["source"]).name for s in first.skipped}
+    assert {"loss_curve.png", "train.py", "sweep.yaml", "ckpt.pt"} <= skipped
+    assert runs["nemo_nan"].status == "diverged" and runs["gpt2_medium"].project == "gpt2_medium"
+    assert speedrun.config == SPEEDRUN_CONFIG
+    assert speedrun.code["source_sha256"] == hashlib.sha256(speedrun.code["source"].encode()).hexdigest()
