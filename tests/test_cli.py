@@ -95,3 +95,35 @@ def test_help_is_quick_to_import():
             "if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_a_walk_of_real_logs_accounts_for_every_file(env, tmp_path):
+    """Real training logs (tests/data/logs) mixed with files that are not runs and one log that
+    cannot be read: each file is added, failed or skipped, none disappears, projects come from
+    the first folder level, and a failure makes the exit code 2."""
+    root = tmp_path / "logs"
+    shutil.copytree(Path(__file__).parent / "data" / "logs", root)
+    (root / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 32)
+    (root / "speedrun" / "ckpt.pt").write_bytes(b"\0" * 32)
+    (root / "speedrun" / "slurm-41.out").write_text("srun: job 41 queued and waiting for resources\n")
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    proc = kb_cli(env, "ingest", str(root), "--no-index", "--json", check=False)
+    assert proc.returncode == 2, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [f["source"] for f in report["failed"]] == [str(root / "speedrun" / "slurm-41.out")]
+    assert {s["source"]: s["reason"] for s in report["skipped"]} == {
+        str(root / "loss.png"): "image", str(root / "speedrun" / "ckpt.pt"): "checkpoint or tensor file"}
+    runs = json.loads(kb_cli(env, "runs", "--json").stdout)
+    notes = 1                                       # the folder's README.md is a note
+    read = {r["source"]["uri"] for r in runs}
+    assert len(read) + notes + len(report["failed"]) + len(report["skipped"]) == len(files)
+    assert report["added"] >= len(runs) + notes
+    by_name = {r["name"]: r for r in runs}
+    assert by_name["gpt2_medium"]["project"] == "gpt2_medium"              # llm.c main.log, named by its folder
+    assert by_name["081087e4-affa-4df9-8b5e-b2aea5b5f688"]["project"] == "speedrun"
+    assert by_name["nanogpt_shakespeare_char"]["project"] == "default"     # at the top: nothing to infer
+    human = kb_cli(env, "ingest", str(root), "--no-index", check=False)
+    assert "skipped 2 (not runs; --show-skipped lists them)" in human.stdout
+    listed = kb_cli(env, "ingest", str(root), "--no-index", "--show-skipped", "--project", "p", check=False)
+    assert f"skipped: {root / 'loss.png'}: image" in listed.stdout
+    assert {r["project"] for r in json.loads(kb_cli(env, "runs", "--json").stdout)} == {"p"}   # --project wins
