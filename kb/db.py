@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from sqlmodel import Session, create_engine
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-HEAD = "0003"   # newest revision in migrations/versions; checked without importing alembic
+HEAD = "0004"   # newest revision in migrations/versions; checked without importing alembic
 
 
 def make_engine(url: str) -> Engine:
@@ -26,7 +27,17 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA journal_mode=WAL")       # readers never block the writer
             cur.execute("PRAGMA synchronous=NORMAL")     # durable at checkpoints; WAL keeps it safe
             cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA cache_size=-65536")
             cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn):
+            # a WriteBatch connection runs with the driver's own transaction handling off (its
+            # BEGIN/SAVEPOINT emulation would commit at the first RELEASE), so it begins here;
+            # IMMEDIATE takes the write lock up front, so its read-then-write never meets a
+            # snapshot another writer has moved on from (which fails at once, no busy wait)
+            if conn.get_execution_options().get("kb_write_batch"):
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://"):]
@@ -83,3 +94,57 @@ def _migration_lock(engine: Engine, lock_path: Path | None):
 
 def session(engine: Engine) -> Session:
     return Session(engine, expire_on_commit=False)
+
+
+class WriteBatch:
+    """Many records written in one transaction, each in its own SAVEPOINT.
+
+        with WriteBatch(engine) as batch:
+            for record in records:
+                with batch.record() as s:      # one record: all of its rows, or none of them
+                    write_run(s, record, ...)
+
+    A record that raises rolls back to its savepoint alone; the records before it stay. The
+    transaction commits every BATCH_RECORDS records or BATCH_SECONDS (a commit per run cost
+    more than its inserts: every index page a run touched went to the WAL again; and a long
+    ingest must not hold SQLite's write lock for long), at the end, and also when an exception
+    ends the batch early, so what was written before it is kept.
+    """
+    BATCH_RECORDS = 500
+    BATCH_SECONDS = 1.0
+
+    def __init__(self, engine: Engine):
+        options = {"isolation_level": "AUTOCOMMIT", "kb_write_batch": True} if engine.dialect.name == "sqlite" else {}
+        self.conn = engine.connect().execution_options(**options)
+        self.session = Session(self.conn, expire_on_commit=False)
+        self.pending, self.since = 0, time.monotonic()
+
+    def __enter__(self) -> "WriteBatch":
+        return self
+
+    @contextmanager
+    def record(self):
+        with self.session.begin_nested():          # SAVEPOINT ... RELEASE, or ROLLBACK TO on error
+            yield self.session
+        self.pending += 1
+        if self.pending >= self.BATCH_RECORDS or time.monotonic() - self.since > self.BATCH_SECONDS:
+            self.commit()
+
+    def commit(self) -> None:
+        if self.session.in_transaction():
+            self.session.commit()
+        self.pending, self.since = 0, time.monotonic()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.commit()
+            else:
+                try:
+                    self.commit()                  # the records before the failure stay
+                except Exception:                  # the connection itself failed: the error above says why
+                    log.exception("could not commit the records written before an error")
+                    self.session.rollback()
+        finally:
+            self.session.close()
+            self.conn.close()

@@ -9,12 +9,13 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from sqlalchemy import JSON, BigInteger, Column, Float, Index, Text
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
 
 from kb.vocab import canonical_view
 
-JSONType = JSON().with_variant(JSONB(), "postgresql")
+# plain JSON on Postgres too: it keeps the text as written (jsonb reorders keys and turns
+# 1.9e18 into an integer), so both stores read a run back alike (migration 0004)
+JSONType = JSON()
 
 
 def utcnow() -> datetime:

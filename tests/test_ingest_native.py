@@ -166,3 +166,15 @@ def test_a_missing_second_path_fails_before_anything_is_written(kb, tmp_path):
     with pytest.raises(UnknownFormat, match="nope.jsonl"):
         kb.ingest(str(good), str(tmp_path / "nope.jsonl"), index=False)
     assert kb.runs() == []
+
+
+def test_a_run_reads_back_as_written_on_every_store(kb, tmp_path):
+    """Key order and number types survive the store (Postgres keeps JSON text as written)."""
+    config = {"zeta": 1, "alpha": {"y": 2.0, "b": [3, "x"]}, "big": 1.9e18, "exact": 10**18}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"id": "as-written", "config": config, "scale": {"flops": 1.9e18}}))
+    kb.ingest(str(path), index=False)
+    run = kb.run("as-written")
+    assert run.config == config and list(run.config) == list(config) and list(run.config["alpha"]) == ["y", "b"]
+    assert isinstance(run.config["big"], float) and isinstance(run.config["exact"], int)
+    assert isinstance(run.config["alpha"]["y"], float) and isinstance(run.scale["flops"], float)
