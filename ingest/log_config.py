@@ -30,7 +30,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from kb.records import INT64
+from kb.records import json_safe
 
 NAMESPACE = re.compile(r"\b([A-Z]\w*)\((\s*[A-Za-z_]\w*\s*=.*)\)\s*$")
 CONFIG_NAMES = re.compile(r"^(?:Namespace|Hyper[Pp]aram\w*|H[Pp]arams|\w*(?:Config|Args|Arguments|Settings))$")
@@ -50,21 +50,6 @@ YAML_WORDS = {"null": None, "~": None, "true": True, "false": False}    # OmegaC
 
 
 # ---- values -----------------------------------------------------------------------------------
-
-def typed(value: Any) -> Any:
-    """A JSON-safe config value: tuples become lists, non-finite floats and huge ints become text."""
-    if isinstance(value, dict):
-        return {str(k): typed(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [typed(v) for v in value]
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        return value if -INT64 - 1 <= value <= INT64 else str(value)
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    return str(value)
-
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -110,7 +95,7 @@ def literal(raw: str) -> tuple[bool, Any]:
     raw = raw.strip()
     for candidate in dict.fromkeys((raw, raw.split("#", 1)[0].strip())):
         try:
-            return True, typed(ast.literal_eval(candidate))
+            return True, json_safe(ast.literal_eval(candidate))
         except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
             pass
         if (number := arithmetic(candidate)) is not None:
@@ -125,7 +110,7 @@ def node_value(node: ast.AST, source: str | None = None) -> Any:
     """A config value from an expression: literal, arithmetic, a nested keyword-only call as a
     dict, else its text as written in `source` (an f-string, `field(default_factory=list)`)."""
     try:
-        return typed(ast.literal_eval(node))
+        return json_safe(ast.literal_eval(node))
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         pass
     if (number := arithmetic(node)) is not None:
@@ -265,7 +250,7 @@ def read_config(bodies: list[str], first_metric: int, code: dict | None = None) 
         if text.startswith("{") and before:
             data, nxt = json_block(bodies, i - 1)
             if data and not any("loss" in str(k) for k in data):
-                config.update(typed(data))
+                config.update(json_safe(data))
             i = max(i, nxt)
             continue
         if (found := repr_config(text, any_name=before)) is not None:

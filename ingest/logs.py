@@ -37,10 +37,10 @@ from typing import Any, Iterator
 
 from ingest.base import register, rejected
 from ingest.log_code import find_code, hyperparameters
-from ingest.log_config import STEP_KEYS, literal_dict, read_config, typed
+from ingest.log_config import STEP_KEYS, literal_dict, read_config
 from kb.errors import InvalidRecord
 from kb.failures import FATAL, classify, trim as _trim
-from kb.records import Item, Parsed, parse_run
+from kb.records import Item, Parsed, json_safe, parse_run
 
 HEAD_BYTES = 256 * 1024      # detection reads this much of a .txt, and 8x more of a .log/.out/.err:
 NAMED_HEAD_BYTES = 2 * 1024 * 1024   # Megatron's argument dump and NCCL's INFO lines come first
@@ -249,7 +249,7 @@ def _mllog(payload: str, rec: dict, metrics: dict) -> None:
         point = [int(round(meta[step_key])), float(value)] + ([wall] if wall is not None else [])
         metrics.setdefault(metric_name(key), {})[point[0]] = point
     elif key not in MLLOG_CONTROL and (value is None or isinstance(value, (str, int, float, bool, list))):
-        rec["config"][key] = typed(value)
+        rec["config"][key] = json_safe(value)
 
 
 def parse_log(text: str, name: str) -> dict:
