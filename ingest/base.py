@@ -2,33 +2,17 @@
 
 Ingesters never touch the store. They turn a source (a file, a folder, a tracking
 URI) into native records; `kb.api.KnowledgeBase.ingest` writes them, one
-transaction per run, so every source shares one tested write path.
+transaction per run, so every source shares one tested write path. What a reader yields
+(`Parsed`, `Rejected`) is defined in kb.records, beside the records themselves.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Union
+from typing import Any, Iterator, Protocol
 
 from kb.errors import InvalidRecord
-from kb.records import NoteRecord, RunRecord
-
-
-@dataclass
-class Parsed:
-    record: Union[RunRecord, NoteRecord]
-    source_kind: str
-    source_uri: str
-    line: int | None = None
-
-
-@dataclass
-class Rejected:
-    error: InvalidRecord          # carries source, line, field
-
-
-Item = Union[Parsed, Rejected]
+from kb.records import Item, Rejected
 
 
 class Ingester(Protocol):

@@ -39,9 +39,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from ingest.base import Item, Parsed, register, rejected
+from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import parse_run
+from kb.records import Item, Parsed, parse_run
 
 log = logging.getLogger(__name__)
 

@@ -40,9 +40,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from ingest.base import Item, Parsed, register, rejected
+from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import INT64, parse_run
+from kb.records import INT64, Item, Parsed, parse_run
 
 SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 PAGE = 1000            # runs per search_runs page (MLflow's maximum for SQL stores is 50,000)

@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from ingest.base import Item, Parsed, read_json_file, register, rejected
+from ingest.base import read_json_file, register, rejected
 from kb.errors import InvalidRecord
-from kb.records import parse_run
+from kb.records import Item, Parsed, parse_run
 
 
 @register("native")

@@ -19,9 +19,9 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from ingest.base import Item, Parsed, register, rejected
+from ingest.base import register, rejected
 from ingest.logs import log_score
-from kb.records import NoteRecord
+from kb.records import Item, NoteRecord, Parsed
 
 TARGET_WORDS = 250
 MAX_WORDS = 300

@@ -40,9 +40,9 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from ingest.base import Item, Parsed, register, rejected
+from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import parse_run
+from kb.records import Item, Parsed, parse_run
 
 EVENT_PREFIX = "events.out.tfevents."
 _NUMBERS = re.compile(r"(\d+)")

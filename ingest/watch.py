@@ -135,8 +135,8 @@ def end_marker(unit: Path) -> str | None:
 
 
 def _wandb_exited(unit: Path) -> bool:
-    from ingest.base import Parsed
     from ingest.detect import load_ingesters
+    from kb.records import Parsed
 
     items = list(load_ingesters()["wandb"].read(str(unit)))
     return bool(items) and all(isinstance(i, Parsed) and i.record.status != "running" for i in items)

@@ -17,9 +17,10 @@ from sqlmodel import Session
 from kb.db import make_engine, migrate
 from kb.errors import IndexBusy, InvalidRecord, NotFound
 from kb.models import IndexPending, Note, Run
-from kb.records import NoteRecord
+from kb.records import NoteRecord, Parsed, parse_run
 from kb.runs import RunDetail, RunView, read_detail, write_run
 from kb.settings import Settings
+from kb.tracking import TrackedRun
 
 log = logging.getLogger(__name__)
 ANALYZE_AFTER = 1000     # runs written in one ingest before Postgres statistics are refreshed
@@ -78,7 +79,7 @@ class KnowledgeBase:
         vectors are brought up to date afterwards unless another process holds the index.
         `mapping` ({column: key}) places a table's columns (see ingest.table).
         """
-        from ingest.base import Parsed, check_options, options_for
+        from ingest.base import check_options, options_for
         from ingest.detect import resolve
 
         report = IngestReport()
@@ -101,9 +102,6 @@ class KnowledgeBase:
     def ingest_records(self, records: Iterable[dict], *, source: str = "api", source_kind: str = "native",
                        index: bool = True) -> IngestReport:
         """Native records given as dicts (the REST API, hooks and the runner write through this)."""
-        from ingest.base import Parsed
-        from kb.records import parse_run
-
         report = IngestReport()
         for i, data in enumerate(records, start=1):
             try:
@@ -116,9 +114,9 @@ class KnowledgeBase:
         report.pending_index = self.pending_index()
         return report
 
-    def track(self, project: str = "default", config: dict | None = None, name: str | None = None, **fields):
+    def track(self, project: str = "default", config: dict | None = None, name: str | None = None,
+              **fields) -> TrackedRun:
         """`with k.track(project=..., config=...) as run: run.log({...}, step=...)`; ingested on exit."""
-        from ingest.hooks import TrackedRun
         return TrackedRun(self, project=project, config=config or {}, name=name, **fields)
 
     def _store(self, item, project: str | None, report: IngestReport) -> None:
@@ -252,6 +250,18 @@ class KnowledgeBase:
     def search(self, text: str, limit: int = 10, where: dict | None = None) -> list:
         vector = self.embedder.encode([text])[0]
         return self.index.search(vector, limit=limit, where=where)
+
+
+def open_kb(kb: KnowledgeBase | Settings | None = None) -> KnowledgeBase:
+    """A KnowledgeBase from None (KB_* settings), a Settings, or an open KnowledgeBase.
+
+    For hooks that take any of the three (the framework callbacks); it lives here, not in
+    kb.tracking, because opening is the API's job and the core never imports the API."""
+    if kb is None:
+        return KnowledgeBase.open()
+    if isinstance(kb, Settings):
+        return KnowledgeBase.open(kb)
+    return kb
 
 
 class _LazyEmbedder:

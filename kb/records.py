@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -196,3 +197,23 @@ class NoteRecord(Strict):
 def note_hash(note: NoteRecord, source_kind: str) -> str:
     blob = json.dumps([source_kind, note.model_dump(mode="json")], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# ---- what a reader yields ---------------------------------------------------------------------
+# Ingesters produce these and KnowledgeBase.ingest consumes them; they live here, in the core,
+# so the store never imports a reader to know what it is handed.
+
+@dataclass
+class Parsed:
+    record: RunRecord | NoteRecord
+    source_kind: str
+    source_uri: str
+    line: int | None = None
+
+
+@dataclass
+class Rejected:
+    error: InvalidRecord          # carries source, line, field
+
+
+Item = Parsed | Rejected

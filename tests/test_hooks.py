@@ -64,6 +64,7 @@ def stored_id(proc) -> str:
 
 # ---- kb track ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_track_completed_streams_output_and_stores_the_curve(env, tmp_path, kb):
     path = script(tmp_path)
     proc = track(env, tmp_path, "--project", "nano", "--", sys.executable, str(path), json_out=False)
@@ -127,6 +128,7 @@ def test_track_killed_by_signal(env, tmp_path, kb):
     assert run.failures[0]["step"] == 10
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_forwarded_and_the_run_is_killed(env, tmp_path, kb):
     path = script(tmp_path, last=0, tail="""
         for it in range(1, 10000):
@@ -147,6 +149,7 @@ def test_ctrl_c_is_forwarded_and_the_run_is_killed(env, tmp_path, kb):
     assert run.metrics["train/loss"][-1][0] >= 3
 
 
+@pytest.mark.slow
 def test_track_config_file_is_merged_and_a_bad_one_is_named(env, tmp_path, kb):
     path = script(tmp_path, last=10)
     (tmp_path / "cfg.yaml").write_text("optim:\n  lr: 0.0003\nn_layer: 12\n")
@@ -161,6 +164,7 @@ def test_track_config_file_is_merged_and_a_bad_one_is_named(env, tmp_path, kb):
     assert kb.count()["runs"] == 1                     # nothing was run for the bad config
 
 
+@pytest.mark.slow
 def test_track_a_command_that_prints_nothing_is_still_remembered(env, tmp_path, kb):
     proc = track(env, tmp_path, "--", sys.executable, "-c", "import sys; sys.exit(3)")
     assert proc.returncode == 3
@@ -171,6 +175,7 @@ def test_track_a_command_that_prints_nothing_is_still_remembered(env, tmp_path, 
     assert missing.returncode == 127 and "cannot run" in missing.stderr
 
 
+@pytest.mark.slow
 def test_track_while_another_process_holds_the_index(env, tmp_path, kb):
     kb.index                                         # this process now holds the embedded index
     path = script(tmp_path, last=20)
@@ -247,7 +252,7 @@ def test_context_manager_rejects_bad_input_early(kb):
 
 
 def test_hooks_import_no_framework():
-    code = ("import sys, ingest.hooks, kb.cli.track; "
+    code = ("import sys, ingest.hooks, kb.tracking, kb.api, kb.cli.track; "
             "print([m for m in ('transformers', 'lightning', 'torch') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
@@ -286,7 +291,7 @@ def _trainer(tmp_path, dataset, callback, **args):
 
 
 def test_hf_callback_curve_equals_log_history(kb, tmp_path):
-    from ingest.hooks import KBCallback
+    from ingest.callbacks import KBCallback
     cb = KBCallback(kb, project="hf", name="tiny-gpt2", index=False)
     trainer, model = _trainer(tmp_path, _Ids(), cb)
     trainer.train()
@@ -302,7 +307,7 @@ def test_hf_callback_curve_equals_log_history(kb, tmp_path):
 
 
 def test_hf_callback_stores_a_crash_inside_with(kb, tmp_path):
-    from ingest.hooks import KBCallback
+    from ingest.callbacks import KBCallback
     cb = KBCallback(kb, project="hf", name="crash", index=False)
     trainer, _ = _trainer(tmp_path, _Ids(n=32, fail_at=5), cb)
     with pytest.raises(OSError, match="unreadable"):
@@ -357,8 +362,9 @@ def _fit(tmp_path, module, callback, steps=5):
     return trainer
 
 
+@pytest.mark.slow
 def test_lightning_callback_stores_the_fit(kb, tmp_path):
-    from ingest.hooks import KBLightningCallback
+    from ingest.lightning_callback import KBLightningCallback
     cb = KBLightningCallback(kb, project="pl", index=False)
     _fit(tmp_path, _lightning_module(), cb)
     d = kb.run(cb.run.id)
@@ -370,7 +376,7 @@ def test_lightning_callback_stores_the_fit(kb, tmp_path):
 
 
 def test_lightning_exception_is_stored_failed(kb, tmp_path):
-    from ingest.hooks import KBLightningCallback
+    from ingest.lightning_callback import KBLightningCallback
     cb = KBLightningCallback(kb, project="pl", name="bad-step", index=False)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         _fit(tmp_path, _lightning_module(fail_at=3), cb)

@@ -13,10 +13,9 @@ import time
 
 import pytest
 
-from ingest.base import Parsed, Rejected
 from ingest.hf_trainer import TRAINING_KEYS, HFTrainerIngester, metric_key
 from ingest.tensorboard import TensorBoardIngester
-from kb.records import content_hash
+from kb.records import Parsed, Rejected, content_hash
 
 HF = HFTrainerIngester()
 

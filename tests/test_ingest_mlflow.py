@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ingest.base import Parsed, Rejected
 from ingest.mlflow import MlflowIngester, nest, typed
+from kb.records import Parsed, Rejected
 
 ING = MlflowIngester()
 T0 = 1_700_000_000_123            # ms; odd milliseconds so /1000 must round-trip exactly

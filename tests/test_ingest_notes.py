@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from sqlalchemy import select
 from sqlmodel import Session
 
-from ingest.base import Parsed, Rejected
 from ingest.notes import NotesIngester, chunks, mentions, note_records, sections
+from kb.records import Parsed, Rejected
 
 
 def words(n: int, seed: str) -> str:
@@ -156,6 +157,7 @@ def test_kb_ingest_applies_the_project_flag(tmp_path):
     assert first.added == 2 and second.unchanged == 2 and projects == {"gpt-small"}
 
 
+@pytest.mark.slow         # indexes: the first test to embed loads the model
 def test_shorter_document_drops_its_old_chunks(kb, tmp_path):
     doc = tmp_path / "design.md"
     doc.write_text("\n\n".join(f"# Part {i}\n\n" + ("word " * 200) for i in range(4)))

@@ -10,9 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from ingest.base import Parsed, Rejected
 from ingest.tensorboard import TensorBoardIngester
-from kb.records import content_hash
+from kb.records import Parsed, Rejected, content_hash
 
 TB = TensorBoardIngester()
 TAGS = ("train/loss", "val/loss", "lr")

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ingest.base import Parsed, Rejected
 from ingest.native import NativeIngester
 from ingest.wandb import WandbIngester
+from kb.records import Parsed, Rejected
 
 ING = WandbIngester()
 CONFIG = {"model": {"n_layer": 4, "d_model": 128, "tie": True}, "optim": {"lr": 3e-4, "betas": [0.9, 0.95]},

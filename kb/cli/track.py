@@ -50,8 +50,9 @@ def track(obj, project, config_file, name, no_index, as_json, command):
     """Run COMMAND (after `--`) and store its run when it ends, however it ends.
 
     Exits with COMMAND's exit code; prints the stored run id to stderr."""
-    from ingest.hooks import command_name, command_record, new_run_id, source_uri, store, utcnow
+    from ingest.hooks import command_name, command_record
     from kb.errors import InvalidRecord, KBError
+    from kb.tracking import new_run_id, source_uri, store, utcnow
 
     argv = list(command)
     config = load_config(config_file) if config_file else {}
