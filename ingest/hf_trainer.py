@@ -41,7 +41,7 @@ from typing import Any, Iterator
 
 from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import Item, Parsed, parse_run
+from kb.records import Item, Parsed, json_safe, parse_run
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def training_config(folder: Path, source: Path, warnings: list[str]) -> dict:
     out = {}
     for key in TRAINING_KEYS:
         value = _plain(args.get(key))
-        if value is not None and not (isinstance(value, float) and not math.isfinite(value)):
+        if value is not None:
             out[key] = value
     return out
 
@@ -323,11 +323,7 @@ def _plain(x, depth: int = 0):
         return {str(k): _plain(v, depth + 1) for k, v in x.items()}
     if isinstance(x, (list, tuple, set, frozenset)):
         return [_plain(v, depth + 1) for v in x]
-    if x is None or isinstance(x, (bool, int, str)):
-        return x
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    return str(x)
+    return json_safe(x)
 
 
 def scale_of(folder: Path, source: Path, state: dict, warnings: list[str]) -> dict:

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import INT64, Item, Parsed, parse_run
+from kb.records import INT64, Item, Parsed, json_safe, parse_run
 
 SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 PAGE = 1000            # runs per search_runs page (MLflow's maximum for SQL stores is 50,000)
@@ -157,7 +157,7 @@ def _native(exp, run, metrics: dict) -> dict:
     return {
         "project": exp.name, "name": info.run_name or tags.get("mlflow.runName") or None,
         "status": status, "config": nest(typed_params(params)), "metrics": metrics,
-        "summary": {k: v for k, v in run.data.metrics.items() if math.isfinite(v)},
+        "summary": json_safe(dict(run.data.metrics)),
         "tags": sorted(k for k, v in tags.items()
                        if not k.startswith("mlflow.") and v in ("", "true", "True")),
         "notes": tags.get("mlflow.note.content", ""),
@@ -179,12 +179,14 @@ def typed(text: str) -> Any:
         return False
     if text in ("None", "null"):
         return None
+    if text.lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        return json_safe(float(text))      # what str() made of a non-finite float param
     if INT_RE.fullmatch(text):
         n = int(text)
         return n if -INT64 - 1 <= n <= INT64 else text
     if FLOAT_RE.fullmatch(text):
         x = float(text)
-        return x if math.isfinite(x) else text      # "1e999" stays text: config holds finite numbers
+        return json_safe(x)      # "nan" and "1e999" become "NaN" and "Infinity", as from any source
     if text[:1] in "[{(":
         return _container(text)
     return text
@@ -220,7 +222,7 @@ def _jsonable(value: Any) -> tuple[bool, Any]:
     if isinstance(value, int):
         return -INT64 - 1 <= value <= INT64, value
     if isinstance(value, float):
-        return math.isfinite(value), value
+        return True, json_safe(value)
     return False, None
 
 

@@ -42,7 +42,7 @@ from typing import Iterator
 
 from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import Item, Parsed, parse_run
+from kb.records import Item, Parsed, json_safe, parse_run
 
 EVENT_PREFIX = "events.out.tfevents."
 _NUMBERS = re.compile(r"(\d+)")
@@ -236,7 +236,7 @@ def _hparam_value(v):
         x = v.number_value
         # the protocol has one number type, so SummaryWriter sends batch size 32 as 32.0;
         # integral values come back as ints (a float hparam of exactly 1.0 becomes 1)
-        return int(x) if math.isfinite(x) and x.is_integer() and abs(x) < 2**53 else x
+        return int(x) if math.isfinite(x) and x.is_integer() and abs(x) < 2**53 else json_safe(x)
     if kind == "bool_value":
         return v.bool_value
     if kind == "string_value":

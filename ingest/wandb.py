@@ -60,7 +60,7 @@ from typing import Any, Iterator
 
 from ingest.base import read_json_file, register, rejected
 from kb.errors import InvalidRecord
-from kb.records import Item, Parsed, parse_run
+from kb.records import Item, Parsed, json_safe, parse_run
 
 log = logging.getLogger(__name__)
 
@@ -441,22 +441,11 @@ def wandb_config(config: dict) -> dict:
                            for v in user.values())
     if wrapped:
         user = {k: v["value"] for k, v in user.items()}
-    return {k: _finite_or_text(v) for k, v in user.items()}
-
-
-def _finite_or_text(value: Any) -> Any:
-    """Config holds finite numbers only; a NaN or inf hyperparameter is kept as its text."""
-    if isinstance(value, dict):
-        return {k: _finite_or_text(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite_or_text(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    return value
+    return json_safe(user)
 
 
 def _summary(summary: dict) -> dict:
-    """User keys only; media (dicts with `_type`) and non-finite numbers dropped."""
+    """User keys only; media (dicts with `_type`) dropped."""
     def clean(value):
         if isinstance(value, dict):
             if "_type" in value:
@@ -467,10 +456,8 @@ def _summary(summary: dict) -> dict:
         if isinstance(value, list):
             items = [clean(v) for v in value]
             return _DROP if any(v is _DROP for v in items) else items
-        if isinstance(value, float) and not math.isfinite(value):
-            return _DROP
         return value
-    return clean(summary)
+    return json_safe(clean(summary))
 
 
 _DROP = object()

@@ -14,11 +14,12 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
-from kb.db import make_engine, migrate
+from kb.db import WriteBatch, make_engine, migrate
 from kb.errors import IndexBusy, InvalidRecord, NotFound
 from kb.models import IndexPending, Note, Run
 from kb.records import NoteRecord, Parsed, parse_run
-from kb.runs import RunDetail, RunView, read_detail, write_run
+from kb.models import RunPublic
+from kb.runs import RunDetail, read_detail, write_run
 from kb.settings import Settings
 from kb.tracking import TrackedRun
 
@@ -32,6 +33,7 @@ class IngestReport:
     updated: int = 0
     unchanged: int = 0
     failed: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)    # files a walk visited that are not runs
     ids: list[str] = field(default_factory=list)
     pending_index: int = 0
     projects: set[str] = field(default_factory=set)     # touched: their ablations are recomputed
@@ -39,7 +41,7 @@ class IngestReport:
 
     def as_dict(self) -> dict:
         return {"added": self.added, "updated": self.updated, "unchanged": self.unchanged,
-                "failed": self.failed}
+                "failed": self.failed, "skipped": self.skipped}
 
 
 class KnowledgeBase:
@@ -80,21 +82,28 @@ class KnowledgeBase:
         `mapping` ({column: key}) places a table's columns (see ingest.table).
         """
         from ingest.base import check_options, options_for
-        from ingest.detect import resolve
+        from ingest.detect import Plan, resolve
 
         report = IngestReport()
         # resolve every target first: a mistyped second path fails before anything is written
-        plan = [pair for target in targets for pair in resolve(str(target), format)]
+        plan = Plan()
+        for target in targets:
+            plan.extend(resolve(str(target), format))
+        report.failed += plan.failed
+        report.skipped += plan.skipped
         options = {"mapping": mapping} if mapping else {}
-        check_options([ingester for _, ingester in plan], options)
-        for source, ingester in plan:
-            for item in ingester.read(source, **options_for(ingester, options)):
-                if isinstance(item, Parsed):
-                    self._store(item, project, report)
-                else:
-                    report.failed.append(item.error.as_dict())
-                if progress:
-                    progress(source, report.added + report.updated + report.unchanged + len(report.failed))
+        check_options([r.ingester for r in plan.reads], options)
+        with WriteBatch(self.engine) as batch:
+            for read in plan.reads:
+                for item in read.ingester.read(read.source, **options_for(read.ingester, options)):
+                    if isinstance(item, Parsed):
+                        if read.project and not project and "project" not in item.record.model_fields_set:
+                            item.record = item.record.model_copy(update={"project": read.project})
+                        self._store(batch, item, project, report)
+                    else:
+                        report.failed.append(item.error.as_dict())
+                    if progress:
+                        progress(read.source, report.added + report.updated + report.unchanged + len(report.failed))
         self._after_writes(report, index)
         report.pending_index = self.pending_index()
         return report
@@ -103,13 +112,14 @@ class KnowledgeBase:
                        index: bool = True) -> IngestReport:
         """Native records given as dicts (the REST API, hooks and the runner write through this)."""
         report = IngestReport()
-        for i, data in enumerate(records, start=1):
-            try:
-                record = parse_run(data)
-            except InvalidRecord as exc:
-                report.failed.append(exc.at(source, i).as_dict())
-                continue
-            self._store(Parsed(record, source_kind, source, i), None, report)
+        with WriteBatch(self.engine) as batch:
+            for i, data in enumerate(records, start=1):
+                try:
+                    record = parse_run(data)
+                except InvalidRecord as exc:
+                    report.failed.append(exc.at(source, i).as_dict())
+                    continue
+                self._store(batch, Parsed(record, source_kind, source, i), None, report)
         self._after_writes(report, index)
         report.pending_index = self.pending_index()
         return report
@@ -119,7 +129,9 @@ class KnowledgeBase:
         """`with k.track(project=..., config=...) as run: run.log({...}, step=...)`; ingested on exit."""
         return TrackedRun(self, project=project, config=config or {}, name=name, **fields)
 
-    def _store(self, item, project: str | None, report: IngestReport) -> None:
+    def _store(self, batch: WriteBatch, item, project: str | None, report: IngestReport) -> None:
+        """One record in its own savepoint of the batch: a record that fails leaves no row behind
+        and takes nothing else with it."""
         from kb.notes import write_note
 
         record = item.record
@@ -127,7 +139,7 @@ class KnowledgeBase:
             record = record.model_copy(update={"project": project})
         write = write_note if isinstance(record, NoteRecord) else write_run
         try:
-            with Session(self.engine, expire_on_commit=False) as s, s.begin():
+            with batch.record() as s:
                 outcome, ref = write(s, record, item.source_kind, item.source_uri)
         except IntegrityError as exc:
             report.failed.append(InvalidRecord(f"conflicts with the store: {exc.orig}", source=item.source_uri,
@@ -159,15 +171,12 @@ class KnowledgeBase:
                 conn.execute(text("ANALYZE run"))
                 conn.commit()
         if index and (report.added or report.updated):
-            try:
-                self.sync_index()
-            except IndexBusy:
-                log.info("vector index held by another process; it will index what is pending")
+            self.try_sync_index()
 
     # ---- reading -------------------------------------------------------------------------
 
     def runs(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
-             project: str | None = None) -> list[RunView]:
+             project: str | None = None) -> list[RunPublic]:
         from kb.query_sql import apply_query
 
         stmt = apply_query(select(Run), where=where, sort=sort)
@@ -178,7 +187,7 @@ class KnowledgeBase:
         if limit:
             stmt = stmt.limit(limit)
         with Session(self.engine) as s:
-            return [RunView.of(r) for r in s.execute(stmt).scalars()]
+            return [RunPublic.of(r) for r in s.execute(stmt).scalars()]
 
     def run(self, ref: str) -> RunDetail:
         """One run by id, or by name when the name is unique."""
@@ -239,6 +248,16 @@ class KnowledgeBase:
         from kb import indexer
         return indexer.sync(self.engine, self._open_index(), _LazyEmbedder(self), progress=progress)
 
+    def try_sync_index(self, progress=None) -> bool:
+        """Sync unless another process holds the embedded index (then it indexes what is
+        pending, since writers queue in SQL): the one place that decision is made."""
+        try:
+            self.sync_index(progress=progress)
+        except IndexBusy:
+            log.info("vector index held by another process; it will index what is pending")
+            return False
+        return True
+
     def reindex(self, progress=None):
         """Rebuild the vector index from SQL, from scratch."""
         from kb import indexer
@@ -247,9 +266,22 @@ class KnowledgeBase:
         indexer.queue_everything(self.engine)
         return indexer.sync(self.engine, index, _LazyEmbedder(self), reconcile=False, progress=progress)
 
-    def search(self, text: str, limit: int = 10, where: dict | None = None) -> list:
+    def search(self, text: str, limit: int = 10, where: str | None = None, kind: str | None = None,
+               project: str | None = None) -> list:
+        """Nearest run cards and notes to `text`. `where` is a run query (`status = 'diverged'
+        and val/loss < 3.5`): hits are then runs that match it, ranked by similarity."""
+        filters: dict = {k: v for k, v in (("kind", kind), ("project", project)) if v}
+        if where:
+            from kb.query_sql import compile_where
+            if filters.get("kind", "run") != "run":
+                return []
+            with Session(self.engine) as s:
+                ids = list(s.execute(select(Run.id).where(compile_where(where))).scalars())
+            if not ids:
+                return []
+            filters |= {"kind": "run", "ref_id": ids}
         vector = self.embedder.encode([text])[0]
-        return self.index.search(vector, limit=limit, where=where)
+        return self.index.search(vector, limit=limit, where=filters or None)
 
 
 def open_kb(kb: KnowledgeBase | Settings | None = None) -> KnowledgeBase:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
@@ -125,6 +127,49 @@ class RunRecord(Strict):
         if not self.config and not self.metrics:
             raise ValueError("a run needs `config` or `metrics`")
         return self
+
+
+NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+MAX_DEPTH = 32
+
+
+def json_safe(value: Any, _depth: int = 0) -> Any:
+    """The one conversion every source's values go through, so a value is stored the same way
+    whatever wrote it: NaN and infinities become the strings "NaN", "Infinity", "-Infinity"
+    (as curve values print in JSON), ints beyond 64 bits become their decimal text, bytes
+    their UTF-8 text, numpy scalars and arrays plain numbers and lists, enums their value,
+    times ISO-8601, tuples and sets lists, anything else its str()."""
+    if _depth > MAX_DEPTH:
+        return str(value)
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value if -INT64 - 1 <= value <= INT64 else str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        return NONFINITE.get(value, value)
+    if isinstance(value, dict):
+        return {str(k): json_safe(v, _depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return [json_safe(v, _depth + 1) for v in items]
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Enum):
+        return json_safe(value.value, _depth + 1)
+    if hasattr(value, "tolist") and callable(value.tolist):      # numpy scalars and arrays, tensors
+        try:
+            return json_safe(value.tolist(), _depth + 1)
+        except (TypeError, ValueError):
+            pass
+    if isinstance(value, numbers.Integral):
+        return json_safe(int(value), _depth + 1)
+    if isinstance(value, numbers.Real):
+        return json_safe(float(value), _depth + 1)
+    return str(value)
 
 
 def _check_int(v):
