@@ -66,8 +66,9 @@ def command_record(argv: list[str], returncode: int, log_text: str, *, run_id: s
         status, failure = "failed", {"kind": "other", "step": last, "evidence": tail,
                                      "message": f"exited with code {returncode}"}
 
-    code = {"argv": list(argv), "entrypoint": next((a for a in argv if a.endswith(".py")), argv[0]),
-            **provenance(cwd)}
+    # a script that printed its own source keeps it (parse_log's code.source and its hash)
+    code = {**parsed.get("code", {}), "argv": list(argv),
+            "entrypoint": next((a for a in argv if a.endswith(".py")), argv[0]), **provenance(cwd)}
     meta = {**{k: v for k, v in parsed["meta"].items() if k != "log_tail"},
             "hook": "kb track", "exit_code": returncode, "pid": pid,
             "duration_s": round((ended - started).total_seconds(), 3),

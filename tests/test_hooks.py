@@ -87,6 +87,38 @@ def test_track_completed_streams_output_and_stores_the_curve(env, tmp_path, kb):
     assert detail["id"] == run.id
 
 
+SPEEDRUN = """
+import sys
+with open(sys.argv[0]) as f:
+    code = f.read()
+print(code)                        # speedrun-style: the script prints itself first, for the record
+print("=" * 100)
+from dataclasses import dataclass
+
+@dataclass
+class Hyperparameters:
+    batch_size: int = 8*64*1024
+    num_iterations: int = 30
+    cooldown_frac: float = 0.4
+args = Hyperparameters()
+self_note = "config.n_head"
+for step in range(0, args.num_iterations + 1, 10):
+    print(f"step:{step}/{args.num_iterations} val_loss:{4.0 - step / 100:.4f} train_time:{step * 100}ms")
+"""
+
+
+def test_track_keeps_a_printed_script_as_code_not_config(env, tmp_path, kb):
+    path = tmp_path / "train_gpt.py"
+    path.write_text(SPEEDRUN)
+    proc = track(env, tmp_path, "--", sys.executable, str(path))
+    assert proc.returncode == 0, proc.stderr
+    run = kb.run(stored_id(proc))
+    assert run.code["source"].strip() == SPEEDRUN.strip() and len(run.code["source_sha256"]) == 64
+    assert run.code["argv"] == [sys.executable, str(path)]
+    assert run.config == {"batch_size": 524288, "num_iterations": 30, "cooldown_frac": 0.4}
+    assert [p[1] for p in run.metrics["val/loss"]] == [4.0, 3.9, 3.8, 3.7]
+
+
 def test_track_nan_loss_is_diverged_with_step_and_evidence(env, tmp_path, kb):
     path = script(tmp_path, last=50, loss_expr="float('nan') if it >= 30 else 4.0 / (1 + it)")
     proc = track(env, tmp_path, "--", sys.executable, str(path))
