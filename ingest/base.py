@@ -60,16 +60,23 @@ def rejected(source: Path | str, error: str, *, line: int | None = None, field: 
     return Rejected(InvalidRecord(error, source=str(source), line=line, field=field))
 
 
-def read_json_file(path: Path) -> tuple[Any, Rejected | None]:
-    """(data, None), or (None, a Rejected naming the byte, line or column that is wrong)."""
+def read_text_file(path: Path, encoding: str = "utf-8") -> tuple[str | None, Rejected | None]:
+    """(text, None), or (None, a Rejected naming the byte and line that is not UTF-8)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
         return None, rejected(path, f"cannot read: {exc.strerror or exc}")
     try:
-        text = raw.decode("utf-8")
+        return raw.decode(encoding), None
     except UnicodeDecodeError as exc:
         return None, rejected(path, f"not UTF-8 (byte {exc.start})", line=raw[:exc.start].count(b"\n") + 1)
+
+
+def read_json_file(path: Path) -> tuple[Any, Rejected | None]:
+    """(data, None), or (None, a Rejected naming the byte, line or column that is wrong)."""
+    text, error = read_text_file(path)
+    if error:
+        return None, error
     try:
         return json.loads(text), None
     except json.JSONDecodeError as exc:

@@ -38,7 +38,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ingest.base import register, rejected
+from ingest.base import read_text_file, register, rejected
 from kb.errors import InvalidRecord
 from kb.records import Item, Parsed, json_safe, parse_run
 from kb.vocab import column_target, fold
@@ -258,13 +258,9 @@ def _column_of(plan: dict[str, Target], field: str) -> str:
 # -- CSV and TSV ------------------------------------------------------------------------------
 
 def _read_text(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
-    try:
-        text = path.read_bytes().decode("utf-8-sig")        # Excel writes a byte-order mark
-    except UnicodeDecodeError as exc:
-        yield rejected(path, f"not UTF-8 (byte {exc.start})")
-        return
-    except OSError as exc:
-        yield rejected(path, f"cannot read: {exc.strerror or exc}")
+    text, error = read_text_file(path, "utf-8-sig")        # Excel writes a byte-order mark
+    if error:
+        yield error
         return
     buf, skipped = _after_comments(text)
     delimiter = "\t" if path.suffix.lower() == ".tsv" else _sniff(text[buf.tell():buf.tell() + 16384])

@@ -58,7 +58,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from ingest.base import read_json_file, register, rejected
+from ingest.base import read_json_file, read_text_file, register, rejected
 from kb.errors import InvalidRecord
 from kb.records import Item, Parsed, json_safe, parse_run
 
@@ -323,13 +323,9 @@ def _history_row(history, metrics: dict[str, list]) -> float | None:
 
 def _read_export(path: Path) -> Iterator[Item]:
     if path.suffix == ".csv":
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            yield rejected(path, f"not UTF-8 (byte {exc.start})")
-            return
-        except OSError as exc:
-            yield rejected(path, f"cannot read: {exc.strerror or exc}")
+        text, error = read_text_file(path)
+        if error:
+            yield error
             return
         yield from _read_csv(path, text)
         return
