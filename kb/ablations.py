@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import statistics
 from collections import defaultdict
+from functools import lru_cache
+from json.encoder import encode_basestring_ascii
 
 from sqlalchemy import delete, insert, select
 from sqlmodel import Session
@@ -26,8 +29,22 @@ MISSING = "<missing>"
 
 def _signature(config: dict) -> dict[str, str]:
     """Config leaves (seeds left out) as canonical key -> JSON text, so values compare exactly."""
-    return {canonical(p): json.dumps(v, sort_keys=True) for p, v in leaves(config)
+    return {_canonical(p): _json_text(v) for p, v in leaves(config)
             if p and p[-1] not in SEED_KEYS and not isinstance(v, (dict, list))}
+
+
+_canonical = lru_cache(maxsize=16384)(canonical)    # the same few dozen paths in every run
+
+
+def _json_text(v) -> str:
+    """json.dumps(v) for a JSON leaf, without the encoder's set-up (a project has ~20 per run)."""
+    if v is None or v is True or v is False:
+        return "null" if v is None else "true" if v else "false"
+    if type(v) is str:
+        return encode_basestring_ascii(v)
+    if type(v) is int or (type(v) is float and math.isfinite(v)):
+        return repr(v)
+    return json.dumps(v, sort_keys=True)
 
 
 def _metric(runs: list[Run]) -> str | None:
@@ -73,7 +90,9 @@ def _pooled_sigma(groups: list[_Group], metric: str) -> float | None:
     return (ss / dof) ** 0.5 if dof else None
 
 
-def _build(project: str, factor: str, groups: list[_Group], key: str | None) -> Ablation | None:
+def _build(project: str, factor: str, groups: list[_Group], key: str | None) -> dict:
+    """One Ablation row as a dict of its columns (constructing the ORM object cost more than
+    finding the ablation)."""
     runs = [r for g in groups for r in g.runs]
     metric = _metric(runs)
     base = _baseline(groups)
@@ -93,31 +112,39 @@ def _build(project: str, factor: str, groups: list[_Group], key: str | None) -> 
     variants.sort(key=lambda v: (not v["baseline"], json.dumps(v["value"], sort_keys=True, default=str)))
     members = sorted(r.id for r in runs)
     digest = hashlib.sha1(json.dumps([factor, members]).encode()).hexdigest()[:10]
-    return Ablation(id=f"abl-{factor}-{digest}", project=project, factor=factor, metric=metric or "",
-                    baseline_run=base.runs[0].id, variants=variants,
-                    effect={"seed_sigma": sigma, "baseline_metric": base_mean,
-                            "best": min((v for v in variants if v["metric"] is not None),
-                                        key=lambda v: v["metric"], default={}).get("run")},
-                    source_kind="derived", source_uri=f"project:{project}", content_hash=digest,
-                    ingested_at=utcnow())
+    return dict(id=f"abl-{factor}-{digest}", project=project, factor=factor, metric=metric or "",
+                baseline_run=base.runs[0].id, variants=variants,
+                effect={"seed_sigma": sigma, "baseline_metric": base_mean,
+                        "best": min((v for v in variants if v["metric"] is not None),
+                                    key=lambda v: v["metric"], default={}).get("run")},
+                source_kind="derived", source_uri=f"project:{project}", content_hash=digest,
+                ingested_at=utcnow())
 
 
-def find_ablations(project: str, runs: list[Run]) -> list[Ablation]:
-    by_config: dict[str, list[Run]] = defaultdict(list)
-    sigs: dict[str, dict] = {}
+def find_ablations(project: str, runs: list[Run]) -> list[dict]:
+    """The project's ablations as Ablation rows (dicts of its columns), in a stable order."""
+    # a signature's items, sorted, stand for it: equal tuples are equal signatures, and a tuple
+    # with one key left out is hashed directly (no text built per key and group)
+    by_config: dict[tuple, list[Run]] = defaultdict(list)
+    sigs: dict[tuple, dict] = {}
+    sig_of: dict[str, tuple] = {}
     for r in runs:
         sig = _signature(r.config)
-        k = json.dumps(sig, sort_keys=True)
+        k = tuple(sorted(sig.items()))
         by_config[k].append(r)
         sigs[k] = sig
+        sig_of[r.id] = k
     groups = [_Group(sigs[k], rs) for k, rs in by_config.items()]
+    items = list(by_config)                      # groups[i]'s sorted items
+    position = [{key: i for i, (key, _) in enumerate(its)} for its in items]
     found = []
     keys = sorted({k for g in groups for k in g.sig})
     for key in keys:
-        buckets: dict[str, list[_Group]] = defaultdict(list)
-        for g in groups:
-            rest = {k: v for k, v in g.sig.items() if k != key}
-            buckets[json.dumps(rest, sort_keys=True)].append(g)
+        # groups equal in everything but `key` (holding it or not) share a bucket
+        buckets: dict[tuple, list[_Group]] = defaultdict(list)
+        for g, its, pos in zip(groups, items, position):
+            i = pos.get(key)
+            buckets[its if i is None else its[:i] + its[i + 1:]].append(g)
         for members in buckets.values():
             if len(members) >= 2 and any(key in g.sig for g in members):
                 found.append(_build(project, f"config.{key}", members, key))
@@ -126,39 +153,37 @@ def find_ablations(project: str, runs: list[Run]) -> list[Ablation]:
         for t in r.tags:
             if t.startswith("ablation:") and len(t) > len("ablation:"):
                 tagged[t.split(":", 1)[1]].append(r)
-    covered = {(a.factor.rsplit(".", 1)[-1], tuple(sorted(x for v in a.variants for x in v["runs"])))
+    covered = {(a["factor"].rsplit(".", 1)[-1], tuple(sorted(x for v in a["variants"] for x in v["runs"])))
                for a in found}
     for factor, rs in sorted(tagged.items()):
-        sub = [g for g in (_Group(s, [r for r in rs if _signature(r.config) == s]) for s in
-                           _unique([_signature(r.config) for r in rs]))]
+        distinct = list(dict.fromkeys(sig_of[r.id] for r in rs))      # first-seen order
+        sub = [_Group(sigs[k], [r for r in rs if sig_of[r.id] == k]) for k in distinct]
         if len(sub) >= 2 and (factor, tuple(sorted(r.id for r in rs))) not in covered:
             found.append(_build(project, factor, sub, None))
     return found
 
 
-def _unique(sigs: list[dict]) -> list[dict]:
-    out = []
-    for s in sigs:
-        if s not in out:
-            out.append(s)
-    return out
-
-
-def refresh(session: Session, project: str) -> list[Ablation]:
+def refresh(session: Session, project: str) -> list[dict]:
     """Recompute a project's ablations and the `ablations.*` fields its runs are queried by."""
-    runs = list(session.execute(select(Run).where(Run.project == project)).scalars())
+    # only the columns the search reads, as plain rows: loading whole ORM runs (cards, stats)
+    # cost more than finding the ablations
+    t = Run.__table__
+    runs = session.execute(select(t.c.id, t.c.config, t.c.summary, t.c.tags, t.c.parent, t.c.started_at)
+                           .where(t.c.project == project)).all()
     found = find_ablations(project, runs)
     session.execute(delete(Ablation).where(Ablation.project == project))
     ids = [r.id for r in runs]
     for chunk in (ids[i:i + 500] for i in range(0, len(ids), 500)):
         session.execute(delete(RunField).where(RunField.run_id.in_(chunk), RunField.key.like("ablations.%")))
+    if found:
+        session.execute(insert(Ablation.__table__), found)
     per_run: dict[str, dict] = defaultdict(dict)
     for a in found:
-        session.add(a)
-        name = a.factor.rsplit(".", 1)[-1] if a.factor.startswith("config.") else a.factor
-        for v in a.variants:
+        factor = a["factor"]
+        name = factor.rsplit(".", 1)[-1] if factor.startswith("config.") else factor
+        for v in a["variants"]:
             for rid in v["runs"]:
-                per_run[rid][name] = {"role": "baseline" if v["baseline"] else "variant", "id": a.id,
+                per_run[rid][name] = {"role": "baseline" if v["baseline"] else "variant", "id": a["id"],
                                       "delta": v["delta"], "exceeds_seed_spread": v["exceeds_seed_spread"]}
     rows = [row for rid, abl in per_run.items() for row in field_rows(rid, {"ablations": abl})]
     if rows:

@@ -11,27 +11,51 @@ import numpy as np
 Point = Sequence   # (step, value) or (step, value, wall_time); value None means NaN
 
 
-def _finite(v) -> bool:
-    return v is not None and math.isfinite(v)
+class Curves:
+    """A run's curves as (steps, values) arrays, each built once and shared by the stats, the
+    anomaly detectors and the failure check (building them was a fifth of the analysis).
+    The functions below take this or the plain `{key: points}` dict."""
+
+    def __init__(self, metrics: dict[str, list[Point]]):
+        self.metrics = metrics
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def arrays(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        if key not in self._arrays:
+            self._arrays[key] = _arrays(self.metrics[key])
+        return self._arrays[key]
 
 
-def curve_stats(metrics: dict[str, list[Point]]) -> dict[str, dict]:
+def _curves(metrics: "dict[str, list[Point]] | Curves") -> Curves:
+    return metrics if isinstance(metrics, Curves) else Curves(metrics)
+
+
+HIGHER_IS_BETTER = ("acc", "accuracy", "score", "throughput", "mfu", "tokens_per", "lr")
+
+
+def curve_stats(metrics: "dict[str, list[Point]] | Curves") -> dict[str, dict]:
     """Per metric: final value, best (lowest for losses, highest otherwise), its step, and extent."""
+    cv = _curves(metrics)
     stats = {}
-    for key, points in metrics.items():
+    for key, points in cv.metrics.items():
         if not points:
             continue
-        pts = sorted(points, key=lambda p: p[0])
-        finite = [(p[0], p[1]) for p in pts if _finite(p[1])]
-        s = {"points": len(pts), "first_step": pts[0][0], "last_step": pts[-1][0]}
-        last = pts[-1][1]
-        s["final"] = last if _finite(last) else None
-        s["nonfinite"] = len(pts) - len(finite)
-        if finite:
-            lower_is_better = not any(w in key.lower() for w in ("acc", "accuracy", "score", "throughput", "mfu", "tokens_per", "lr"))
-            pick = min if lower_is_better else max
-            best_step, best = pick(finite, key=lambda sv: sv[1])
-            s.update(best=best, best_step=best_step)
+        steps, values = cv.arrays(key)          # ordered by step, stably: ties keep their order
+        finite = np.isfinite(values)
+        n_finite = int(finite.sum())
+        last = float(values[-1])
+        s = {"points": len(points), "first_step": int(steps[0]), "last_step": int(steps[-1]),
+             "final": last if math.isfinite(last) else None, "nonfinite": len(points) - n_finite}
+        if n_finite:
+            lower_is_better = not any(w in key.lower() for w in HIGHER_IS_BETTER)
+            # the first best point in step order, as min()/max() over the points would pick
+            if n_finite == len(values):
+                i = int(np.argmin(values) if lower_is_better else np.argmax(values))
+            else:
+                at = np.flatnonzero(finite)
+                sub = values[at]
+                i = int(at[np.argmin(sub) if lower_is_better else np.argmax(sub)])
+            s.update(best=float(values[i]), best_step=int(steps[i]))
         stats[key] = s
     return stats
 
@@ -90,10 +114,30 @@ def _odd(n: int) -> int:
     return n if n % 2 else n + 1
 
 
+SMALL_MEDIAN = 1 << 16      # window x points up to which numpy's partition beats scipy's filter
+
+
 def _median(y: np.ndarray, size: int, mode: str = "nearest") -> np.ndarray:
+    """scipy.ndimage.median_filter(y, size, mode=mode), window capped at the curve's length.
+
+    Short curves (most runs' eval curves, and training curves logged every few steps) take a
+    partition over the padded windows: the same medians, without importing scipy (~0.6 s) or
+    its per-call overhead. Long curves, and any with NaN/inf, go to scipy."""
+    size = min(size, _odd(len(y)))
+    h = size // 2
+    if h and len(y) * size <= SMALL_MEDIAN and np.isfinite(y).all():
+        if mode == "nearest":     # a a a | a b c d | d d d
+            padded = np.concatenate((np.repeat(y[:1], h), y, np.repeat(y[-1:], h)))
+        else:                     # reflect: c b a | a b c d | d c b
+            padded = np.concatenate((y[h - 1::-1], y, y[:-h - 1:-1]))
+        # the windows as a strided view of the padded curve (np.lib's helpers cost more than the
+        # partition on curves this short)
+        windows = np.ndarray((len(y), size), dtype=padded.dtype, buffer=padded,
+                             strides=(padded.strides[0], padded.strides[0]))
+        return np.partition(windows, h, axis=1)[:, h]
     from scipy.ndimage import median_filter     # here, not at import: `kb runs` never needs scipy
 
-    return median_filter(y, size=min(size, _odd(len(y))), mode=mode)
+    return median_filter(y, size=size, mode=mode)
 
 
 def _median_at(y: np.ndarray, size: int, at: np.ndarray) -> np.ndarray:
@@ -270,8 +314,10 @@ def _plateau(key: str, steps: np.ndarray, rough: _Rough) -> Finding | None:
                    f"doubling before; flat at {level:.4g} since about step {steps[onset]}")
 
 
-def find_anomalies(metrics: dict[str, list[Point]]) -> list[Finding]:
+def find_anomalies(metrics: "dict[str, list[Point]] | Curves") -> list[Finding]:
     """Spikes, divergence and plateaus of losses; spikes of grad norms. Plain data, ordered by key."""
+    cv = _curves(metrics)
+    metrics = cv.metrics
     out: list[Finding] = []
     for key in sorted(metrics):
         if metrics[key] and is_grad_norm(key):
@@ -280,7 +326,7 @@ def find_anomalies(metrics: dict[str, list[Point]]) -> list[Finding]:
             kind = "loss"
         else:
             continue
-        steps, values = _arrays(metrics[key])
+        steps, values = cv.arrays(key)
         with np.errstate(over="ignore", invalid="ignore"):      # a loss of 1e300 just before the NaN
             out.extend(_judge(key, kind, steps, values))
     return out
@@ -326,13 +372,14 @@ def anomaly_summary(findings: list[Finding]) -> dict[str, dict]:
     return out
 
 
-def failure_from_curves(metrics: dict[str, list[Point]]) -> dict | None:
+def failure_from_curves(metrics: "dict[str, list[Point]] | Curves") -> dict | None:
     """A native `diverged` failure at the earliest step where a loss went NaN/Inf, else None."""
+    cv = _curves(metrics)
     worst = None
-    for key, points in metrics.items():
+    for key, points in cv.metrics.items():
         if not points or not is_loss(key):
             continue
-        steps, values = _arrays(points)
+        steps, values = cv.arrays(key)
         bad = np.flatnonzero(~np.isfinite(values))
         if not len(bad):
             continue

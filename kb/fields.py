@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from functools import lru_cache
 from typing import Any, Iterator
 
 from kb.records import json_safe
@@ -69,13 +70,34 @@ def lookup(root: Any, path: list[str] | tuple[str, ...]) -> tuple[bool, Any]:
     return True, node
 
 
+FIELD_COLUMNS = ("run_id", "key", "vtype", "num", "text")
+
+
 def field_rows(run_id: str, namespaces: dict[str, Any]) -> list[dict]:
     """RunField rows for every leaf under each namespace (`{"config": {...}, "summary": {...}}`)."""
-    rows = []
+    return [dict(zip(FIELD_COLUMNS, row)) for row in field_tuples(run_id, namespaces)]
+
+
+def field_tuples(run_id: str, namespaces: dict[str, Any]) -> list[tuple]:
+    """field_rows as tuples in FIELD_COLUMNS order, for the writer's bulk insert.
+
+    The same walk as `leaves`, appending as it goes (a generator chain re-yields each leaf
+    through every level above it), with each path's key spelled once per process."""
+    rows: list[tuple] = []
+
+    def walk(value: Any, path: tuple[str, ...]) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, path + (str(k),))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, path + (str(i),))
+        elif len(path) > 1:                   # an empty namespace has no leaves
+            rows.append((run_id, _key(path), *typed(value)))
+
     for ns, value in namespaces.items():
-        for path, leaf in leaves(value, (ns,)):
-            if len(path) == 1:
-                continue                      # an empty namespace has no leaves
-            vtype, num, text = typed(leaf)
-            rows.append({"run_id": run_id, "key": canonical(path), "vtype": vtype, "num": num, "text": text})
+        walk(value, (ns,))
     return rows
+
+
+_key = lru_cache(maxsize=1 << 16)(canonical)      # runs of one project share most of their paths

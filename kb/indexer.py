@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 from sqlalchemy import DateTime, delete, func, insert, literal, select
@@ -34,10 +35,16 @@ def queue_index(session: Session, kind: str, ref_id: str) -> None:
     """Mark a record for (re)indexing, in the writer's own transaction: the run and its queue
     entry commit together, so a crash can never leave a stored run that nobody will index."""
     conn = session.connection()
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(IndexPending).values(kind=kind, ref_id=ref_id, queued_at=utcnow())
-    conn.execute(stmt.on_conflict_do_update(index_elements=["kind", "ref_id"],
-                                            set_={"queued_at": stmt.excluded.queued_at}))
+    conn.execute(_upsert_pending(conn.dialect.name), {"kind": kind, "ref_id": ref_id, "queued_at": utcnow()})
+
+
+@lru_cache(maxsize=None)
+def _upsert_pending(dialect_name: str):
+    # built once with bound parameters: building and caching a fresh statement per run cost
+    # about as much as the run's curve inserts
+    dialect = postgresql if dialect_name == "postgresql" else sqlite
+    stmt = dialect.insert(IndexPending)
+    return stmt.on_conflict_do_update(index_elements=["kind", "ref_id"], set_={"queued_at": stmt.excluded.queued_at})
 
 
 def point_id(kind: str, ref_id: str) -> str:

@@ -83,6 +83,7 @@ TABLE_ONLY = {"n": "scale.params", "d": "scale.tokens", "c": "scale.flops"}
 SEPARATORS = re.compile(r"[\s_\-./:]+")
 
 
+@lru_cache(maxsize=1 << 14)      # every run's config and summary keys pass through here
 def fold(name: str) -> str:
     """One spelling for comparing names: lowercase, any run of separators becomes one space."""
     return SEPARATORS.sub(" ", str(name).lower()).strip()
@@ -213,6 +214,7 @@ def column_target(column: str) -> str | None:
     return None
 
 
+@lru_cache(maxsize=1 << 14)
 def _alias_rank(canon: str, key: str) -> int:
     f = fold(key)
     aliases = [fold(a) for a in HPARAMS[canon]]       # in order of preference
