@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Iterable
 
-from sqlalchemy import func, select, text
+from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
@@ -177,17 +178,23 @@ class KnowledgeBase:
 
     def runs(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
              project: str | None = None) -> list[RunPublic]:
-        from kb.query_sql import apply_query
+        from kb.query import Compare, render
+        from kb.query_sql import choose_driver, top_ids
 
-        stmt = apply_query(select(Run), where=where, sort=sort)
-        if project:
-            stmt = stmt.where(Run.project == project)
-        if not sort:
-            stmt = stmt.order_by(Run.project, Run.name, Run.id)
-        if limit:
-            stmt = stmt.limit(limit)
-        with Session(self.engine) as s:
-            return [RunPublic.of(r) for r in s.execute(stmt).scalars()]
+        if project:       # part of the query, so the plan knows about it
+            scope = render(Compare(("project",), "=", project))
+            where = f"({where}) and {scope}" if where else scope
+        # rows straight off a connection, not ORM objects: the session and identity map cost
+        # more than the indexed query itself
+        with self.engine.connect() as conn:
+            driver = choose_driver(conn, where)
+            first = top_ids(where, sort, limit, driver) if sort and limit else None
+            if first is not None:        # the best few found from RunField alone, then read by id
+                ids = list(conn.execute(first).scalars())
+                found = {row.id: row for row in conn.execute(_RUNS_BY_ID, {"ids": ids})} if ids else {}
+                return [RunPublic.of(found[i]) for i in ids]
+            stmt = _runs_statement(where, sort, limit, driver)
+            return [RunPublic.of(row) for row in conn.execute(stmt)]
 
     def run(self, ref: str) -> RunDetail:
         """One run by id, or by name when the name is unique."""
@@ -294,6 +301,21 @@ def open_kb(kb: KnowledgeBase | Settings | None = None) -> KnowledgeBase:
     if isinstance(kb, Settings):
         return KnowledgeBase.open(kb)
     return kb
+
+
+_RUNS_BY_ID = select(*Run.__table__.c).where(Run.__table__.c.id.in_(bindparam("ids", expanding=True)))
+
+
+@lru_cache(maxsize=256)
+def _runs_statement(where: str | None, sort: str | None, limit: int | None, driver: int | None):
+    """The statement behind `KnowledgeBase.runs`, built once per query: building it (and its
+    cache key, which SQLAlchemy keeps on the object) cost more than running it."""
+    from kb.query_sql import apply_query
+
+    stmt = apply_query(select(*Run.__table__.c), where=where, sort=sort, driver=driver)
+    if not sort:
+        stmt = stmt.order_by(Run.project, Run.name, Run.id)
+    return stmt.limit(limit) if limit else stmt
 
 
 class _LazyEmbedder:

@@ -14,7 +14,7 @@ from sqlmodel import Session, create_engine
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-HEAD = "0004"   # newest revision in migrations/versions; checked without importing alembic
+HEAD = "0005"   # newest revision in migrations/versions; checked without importing alembic
 
 
 def make_engine(url: str) -> Engine:
@@ -27,7 +27,6 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA journal_mode=WAL")       # readers never block the writer
             cur.execute("PRAGMA synchronous=NORMAL")     # durable at checkpoints; WAL keeps it safe
             cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA cache_size=-65536")
             cur.close()
 
         @event.listens_for(engine, "begin")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, Column, Float, Index, Text
+from sqlalchemy import JSON, BigInteger, Column, Float, Index, PrimaryKeyConstraint, Text
+from sqlalchemy import text as sql_text
 from sqlmodel import Field, SQLModel
 
 from kb.vocab import canonical_view
@@ -82,10 +83,18 @@ class RunPublic(RunBase):
 
 
 class RunField(SQLModel, table=True):
-    """One typed leaf of a run's config, summary or scale, keyed by its canonical dotted path."""
+    """One typed leaf of a run's config, summary or scale, keyed by its canonical dotted path.
+
+    Keyed (key, run_id), clustered on SQLite: one key's rows sit together, so a query that
+    probes each candidate run's value of a key reads few pages (migration 0005)."""
     __table_args__ = (
+        PrimaryKeyConstraint("key", "run_id"),
         Index("ix_runfield_key_num", "key", "vtype", "num"),
-        Index("ix_runfield_key_text", "key", "vtype", "text"),
+        # string tests only: a NULL text never matches one, and most leaves are numbers
+        Index("ix_runfield_key_text", "key", "vtype", "text",
+              sqlite_where=sql_text("text IS NOT NULL"), postgresql_where=sql_text("text IS NOT NULL")),
+        Index("ix_runfield_run_id", "run_id"),
+        {"sqlite_with_rowid": False},
     )
     run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
     key: str = Field(primary_key=True)

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from sqlalchemy import Select, Text, and_, case, exists, false, not_, or_, select, true
+from sqlalchemy import (Float, Integer, Numeric, Select, String, Text, and_, case, exists, false, func,
+                        literal, not_, or_, select, true)
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import aliased
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.sql.sqltypes import NullType
 
 from kb.fields import canonical
 from kb.models import Run, RunField
@@ -40,6 +42,55 @@ def _codepoint_default(element, compiler, **kw):
 @compiles(codepoint, "postgresql")
 def _codepoint_postgres(element, compiler, **kw):
     return f'{compiler.process(element.clauses, **kw)} COLLATE "C"'
+
+
+class driving(FunctionElement):
+    """A test the plan should start from: SQLite's planner is told it is rare (likelihood), so it
+    drives from that test's index range and probes the other keys' rows by primary key; without
+    statistics it would pick a range (`< 3.6`) over an equality whatever their sizes. Postgres
+    plans from its own statistics: the test as written."""
+    inherit_cache = True
+    name = "driving"
+    type = NullType()       # not Boolean: SQLite's dialect would compare a boolean function with 1
+
+
+@compiles(driving)
+def _driving_default(element, compiler, **kw):
+    return compiler.process(element.clauses, **kw)
+
+
+@compiles(driving, "sqlite")
+def _driving_sqlite(element, compiler, **kw):
+    return f"likelihood({compiler.process(element.clauses, **kw)}, 0.000001)"
+
+
+class unordered(FunctionElement):
+    """The same value, hidden from index order: ORDER BY on it cannot be served by walking an
+    index, so a filtered, sorted query finds all matches and sorts them (cost: the matches)
+    instead of walking the sort key's index from the best end and testing each run (cost:
+    wherever the first match sits). SQLite's unary `+`; on Postgres `|| ''` for text, `+ 0`
+    for numbers."""
+    inherit_cache = True
+    name = "unordered"
+
+    def __init__(self, expr):
+        super().__init__(expr)
+        self.type = expr.type
+
+
+@compiles(unordered)
+def _unordered_default(element, compiler, **kw):
+    return f"+{compiler.process(element.clauses, **kw)}"
+
+
+@compiles(unordered, "postgresql")
+def _unordered_postgres(element, compiler, **kw):
+    inner = compiler.process(element.clauses, **kw)
+    if isinstance(element.type, String):
+        return f"({inner} || '')"
+    if isinstance(element.type, (Float, Integer, Numeric)):
+        return f"({inner} + 0)"
+    return inner            # times: no index on a non-null time column to walk
 
 
 def compile_where(expr: str | Node) -> ColumnElement[bool]:
@@ -71,37 +122,43 @@ def _sql(node: Node) -> ColumnElement[bool]:
     return Run.id.in_(select(RunField.run_id).where(RunField.key == key, _field_cond(node, RunField)))
 
 
-def _field_cond(node: Compare | In, f) -> ColumnElement[bool]:
-    """The test node puts on one RunField row; f is RunField or an alias of it."""
+def _field_cond(node: Compare | In, f, drive: bool = False) -> ColumnElement[bool]:
+    """The test node puts on one RunField row; f is RunField or an alias of it. `drive` marks
+    the value test as the one the plan starts from (`driving`)."""
+    mark = driving if drive else _same
     if isinstance(node, In):
-        return _field_in(node.values, f)
-    return _field_compare(node.op, node.value, f)
+        return _field_in(node.values, f, mark)
+    return _field_compare(node.op, node.value, f, mark)
 
 
-def _field_compare(op: str, lit: Literal, f) -> ColumnElement[bool]:
+def _same(cond):
+    return cond
+
+
+def _field_compare(op: str, lit: Literal, f, mark=_same) -> ColumnElement[bool]:
     if lit is None:
-        return f.vtype == "z" if op == "=" else false()
+        return mark(f.vtype == "z") if op == "=" else false()
     if isinstance(lit, bool):
-        return and_(f.vtype == "b", OPS[op](f.num, 1.0 if lit else 0.0))
+        return and_(f.vtype == "b", mark(OPS[op](f.num, 1.0 if lit else 0.0)))
     if isinstance(lit, str):
         text = codepoint(f.text) if op in ORDERING else f.text
-        return and_(f.vtype == "s", OPS[op](text, lit))
-    return and_(f.vtype == "n", OPS[op](f.num, float(lit)))
+        return and_(f.vtype == "s", mark(OPS[op](text, lit)))
+    return and_(f.vtype == "n", mark(OPS[op](f.num, float(lit))))
 
 
-def _field_in(values: tuple[Literal, ...], f) -> ColumnElement[bool]:
+def _field_in(values: tuple[Literal, ...], f, mark=_same) -> ColumnElement[bool]:
     nums = [float(v) for v in values if _literal_type(v) == "n"]
     strs = [v for v in values if isinstance(v, str)]
     bools = [1.0 if v else 0.0 for v in values if isinstance(v, bool)]
     conds = []
     if nums:
-        conds.append(and_(f.vtype == "n", f.num.in_(nums)))
+        conds.append(and_(f.vtype == "n", mark(f.num.in_(nums))))
     if strs:
-        conds.append(and_(f.vtype == "s", f.text.in_(strs)))
+        conds.append(and_(f.vtype == "s", mark(f.text.in_(strs))))
     if bools:
-        conds.append(and_(f.vtype == "b", f.num.in_(bools)))
+        conds.append(and_(f.vtype == "b", mark(f.num.in_(bools))))
     if None in values:
-        conds.append(f.vtype == "z")
+        conds.append(mark(f.vtype == "z"))
     return or_(*conds)
 
 
@@ -154,18 +211,20 @@ def _direct(e, desc: bool):
     return e.desc() if desc else e.asc()
 
 
-def _column_sort(name: str, desc: bool) -> list:
+def _column_sort(name: str, desc: bool, hide=_same) -> list:
     column = _column(name)
-    value = _direct(codepoint(column) if COLUMNS[name][1] == "s" else column, desc)
+    value = _direct(codepoint(hide(column)) if COLUMNS[name][1] == "s" else hide(column), desc)
+    # a nullable column's order starts with a CASE, which no index serves anyway
     return [case((column.is_(None), 1), else_=0), value] if _nullable(name) else [value]
 
 
-def _field_sort(vtype, num, text, desc: bool, pinned: str | None = None) -> list:
-    """Order by one RunField row's (vtype, num, text); `pinned` when every row has that vtype."""
+def _field_sort(vtype, num, text, desc: bool, pinned: str | None = None, hide=_same) -> list:
+    """Order by one RunField row's (vtype, num, text); `pinned` when every row has that vtype.
+    `hide` (`unordered`) keeps a pinned order off the index; the unpinned one starts with a CASE."""
     if pinned in ("n", "b"):                  # bools are 0/1 in num
-        return [_direct(num, desc)]
+        return [_direct(hide(num), desc)]
     if pinned == "s":
-        return [_direct(codepoint(text), desc)]
+        return [_direct(codepoint(hide(text)), desc)]
     return [case({"n": 0, "s": 1, "b": 2}, value=vtype, else_=3),      # missing: 3, last
             _direct(num, desc),                                         # numbers; bools as 0/1
             _direct(codepoint(text), desc)]
@@ -178,25 +237,30 @@ class _Plan:
     joins: tuple            # (alias of RunField, ON clause, outer?)
     filters: tuple          # WHERE clauses
     order: tuple            # ORDER BY clauses, empty without a sort
+    tests: tuple            # (canonical key, test nodes) per joined test, in join order
+    base: object = None     # top_ids: the driving test's alias, the query's FROM
 
 
-def apply_query(stmt: Select, where: str | Node | None = None, sort: str | None = None) -> Select:
+def apply_query(stmt: Select, where: str | Node | None = None, sort: str | None = None,
+                driver: int | None = None) -> Select:
     """stmt (a select over Run) filtered by `where` and ordered by `sort`, shaped for the planner.
 
     Same rows and order as `.where(compile_where(where)).order_by(*compile_sort(sort))`, but
     each top-level `and` item that tests a RunField key (a comparison or `in`) becomes an inner
     join to that key's row, and each RunField sort key a join to its row (outer unless a filter
-    already joins it). A run has at most one row per key ((run_id, key) is the primary key), so
-    joins never duplicate a run; they let the planner start from whichever index range it
-    thinks smallest and probe the other keys by primary key, instead of materialising every
-    IN list. When the filters pin the sort key's type (`summary.val_loss < 3.6` makes it a
-    number) the order is the (key, vtype, num) index's own, so a LIMIT stops the walk after
-    the first matches. Each joined test is also asked once of the whole table (an uncorrelated
-    EXISTS), so a value no run has ends the query before any walk. `or`, `not`, `exists` and
-    column tests compile as in `compile_where`.
+    already joins it). A run has at most one row per key ((key, run_id) is the primary key), so
+    joins never duplicate a run. The plan starts from one joined test's index range (`driver`:
+    its index among the joined tests, as `choose_driver` picks it; by default the first
+    equality) and probes the other keys' rows by primary key, so its cost is the size of that
+    range and never depends on where the matching runs sit in the sort order: a sort key that
+    anything else filters is kept off its index (`unordered`); only when the sort key's own
+    tests are the whole filter (every run the walk meets is a match) does the order come
+    straight from its (key, vtype, num) index, stopping at the LIMIT. Each joined test is also
+    asked once of the whole table (an uncorrelated EXISTS), so a value no run has ends the
+    query at once. `or`, `not`, `exists` and column tests compile as in `compile_where`.
     """
     # a Node is cached by its text: 1.0 == True, so equal-looking nodes can differ
-    plan = _plan(where if where is None or isinstance(where, str) else render(where), sort)
+    plan = _plan(where if where is None or isinstance(where, str) else render(where), sort, driver)
     for target, on, outer in plan.joins:
         stmt = stmt.join(target, on, isouter=outer)
     if plan.filters:
@@ -204,8 +268,67 @@ def apply_query(stmt: Select, where: str | Node | None = None, sort: str | None 
     return stmt.order_by(*plan.order) if plan.order else stmt
 
 
+DRIVER_COUNT_CAP = 256      # index entries counted per test to pick the smallest; past this, all are big
+
+
+def choose_driver(conn, where: str | Node | None) -> int | None:
+    """The joined test with the fewest matching rows (each counted up to DRIVER_COUNT_CAP, one
+    round trip), for `apply_query(..., driver=)`; None when there is nothing to choose or the
+    database plans from its own statistics (Postgres)."""
+    if where is None or conn.dialect.name != "sqlite":
+        return None
+    text = where if isinstance(where, str) else render(where)
+    counts = _counts(text)
+    if counts is None:
+        return None
+    sizes = conn.execute(counts).one()
+    default = _default_driver(_plan(text, None, None).tests)
+    # the smallest range; a tie (all past the cap) keeps the default's preference for equality
+    return min(range(len(sizes)), key=lambda i: (sizes[i], i != default, i))
+
+
 @lru_cache(maxsize=256)
-def _plan(where: str | None, sort: str | None) -> _Plan:
+def _counts(where: str) -> Select | None:
+    tests = _plan(where, None, None).tests
+    if len(tests) < 2:
+        return None
+    return select(*(select(func.count()).select_from(
+        select(literal(1)).where(RunField.key == k, *(_field_cond(n, RunField) for n in nodes))
+        .limit(DRIVER_COUNT_CAP).subquery()).scalar_subquery() for k, nodes in tests))
+
+
+def _default_driver(tests: tuple) -> int:
+    """Without counts: the first test with an equality (`=`, `in`), else the first."""
+    for i, (_, nodes) in enumerate(tests):
+        if any(isinstance(n, In) or n.op == "=" for n in nodes):
+            return i
+    return 0
+
+
+def top_ids(where: str | Node | None, sort: str, limit: int, driver: int | None = None) -> Select | None:
+    """The ids of the first `limit` runs in `apply_query`'s order, read from RunField rows alone,
+    or None when the query needs the run table (a column test or sort, `or`, `not`, `exists`).
+
+    The driving test's rows are the base and every other key is probed from them: joining the
+    run table as well cost a probe per candidate run, about a third of the query, for rows
+    that only the final few need (`KnowledgeBase.runs` fetches those by id)."""
+    return _top_ids(where if where is None or isinstance(where, str) else render(where), sort, limit, driver)
+
+
+@lru_cache(maxsize=256)
+def _top_ids(where: str | None, sort: str, limit: int, driver: int | None) -> Select | None:
+    # the statement object is cached too: SQLAlchemy keeps its cache key on it
+    plan = _plan(where, sort, driver, True)
+    if plan is None:
+        return None
+    stmt = select(plan.base.run_id).select_from(plan.base)
+    for target, on, outer in plan.joins:
+        stmt = stmt.join(target, on, isouter=outer)
+    return stmt.where(*plan.filters).order_by(*plan.order).limit(limit)
+
+
+@lru_cache(maxsize=256)
+def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool = False) -> _Plan | None:
     # cached by text: parsing and building the clauses cost more than the indexed query itself;
     # the clauses are immutable and bind their values as parameters, so sharing them is safe
     items = _conjuncts(parse(where)) if where else []
@@ -216,31 +339,50 @@ def _plan(where: str | None, sort: str | None) -> _Plan:
             tests.setdefault(canonical(item.key), []).append(item)
         else:
             filters.append(_sql(item))
+    sort_keys = parse_sort(sort) if sort else []
+    if runless and (filters or not tests or not sort_keys or any(key[0] in COLUMNS for key, _ in sort_keys)):
+        return None
+    first = sort_keys[0][0] if sort_keys else None
+    first = first[0] if first and first[0] in COLUMNS else (canonical(first) if first else None)
+    # walking the first sort key's index visits only matches when nothing but its own tests filter
+    walk = not filters and all(k == first for k in tests)
+    hide = _same if walk else unordered
+    if driver is None:
+        driver = _default_driver(tuple(tests.items())) if tests else None
+    aliases = {k: _alias(i) for i, k in enumerate(tests)}
+    base = aliases[list(tests)[driver]] if runless else None
+    anchor = base.run_id if runless else Run.id      # what every joined row is the row of
     joins, rows = [], {}                             # canonical key -> (alias, pinned vtype)
-    for k, nodes in tests.items():
-        f = _alias(len(joins))
-        joins.append((f, and_(f.run_id == Run.id, f.key == k, *(_field_cond(n, f) for n in nodes)), False))
+    for i, (k, nodes) in enumerate(tests.items()):
+        f = aliases[k]
+        cond = and_(f.key == k, *(_field_cond(n, f, i == driver and not walk) for n in nodes))
+        if f is base:
+            filters.append(cond)
+        else:
+            joins.append((f, and_(f.run_id == anchor, cond), False))
         # the same tests on any run, implied by the join: uncorrelated, so evaluated once before
-        # the loop; a value no run has (an lr never tried) then ends the query at once instead
-        # of after a walk of the whole sort key's index probing for it
-        filters.append(exists().where(RunField.key == k, *(_field_cond(n, RunField) for n in nodes)))
+        # the join; a value no run has (an lr never tried) then ends the query at once
+        # (SELECT key, not *: the (key, vtype, num) index then answers it alone)
+        filters.append(select(RunField.key).where(RunField.key == k, *(_field_cond(n, RunField) for n in nodes))
+                       .exists())
         types = set.intersection(*({_literal_type(v) for v in _literals(n)} for n in nodes))
         rows[k] = f, (types.pop() if len(types) == 1 else None)
     order: list = []
-    for key, desc in parse_sort(sort) if sort else ():
+    for j, (key, desc) in enumerate(sort_keys):
+        h = hide if j == 0 else _same                # the first term decides whether an index can serve
         if key[0] in COLUMNS:
-            order += _column_sort(key[0], desc)
+            order += _column_sort(key[0], desc, h)
             continue
         k = canonical(key)
         if k not in rows:
-            f = _alias(len(joins))
-            joins.append((f, and_(f.run_id == Run.id, f.key == k), True))
+            f = _alias(len(rows))                    # after the tests' aliases, one per new key
+            joins.append((f, and_(f.run_id == anchor, f.key == k), True))
             rows[k] = f, None
         f, pinned = rows[k]
-        order += _field_sort(f.vtype, f.num, f.text, desc, pinned)
+        order += _field_sort(f.vtype, f.num, f.text, desc, pinned, h)
     if order:
-        order.append(codepoint(Run.id).asc())
-    return _Plan(tuple(joins), tuple(filters), tuple(order))
+        order.append(codepoint(anchor).asc())
+    return _Plan(tuple(joins), tuple(filters), tuple(order), tuple((k, tuple(v)) for k, v in tests.items()), base)
 
 
 @lru_cache(maxsize=None)

@@ -17,10 +17,10 @@ from sqlalchemy import func, insert, select
 from sqlmodel import Session
 
 from kb.errors import QueryError
-from kb.fields import NAMESPACES, field_rows, lookup, typed
+from kb.fields import NAMESPACES, canonical, field_rows, lookup, typed
 from kb.models import Run, RunField
 from kb.query import COLUMNS, And, Compare, Exists, In, Not, Or, evaluate, parse, parse_sort, render
-from kb.query_sql import apply_query, compile_sort, compile_where
+from kb.query_sql import apply_query, choose_driver, compile_sort, compile_where, top_ids
 
 T0 = datetime(2024, 5, 1, tzinfo=timezone.utc)
 RUN_COLUMNS = ("id", "project", "name", "status", "parent", "source_kind", "source_uri", "lr", "batch_size",
@@ -355,9 +355,33 @@ def test_sort_hand(hand):
 
 # ---- apply_query: filters and sort keys as joins ------------------------------------------
 
-def joined_order(engine, where, sort) -> list[str]:
+def joined_order(engine, where, sort, driver=None) -> list[str]:
     with engine.connect() as conn:
-        return list(conn.execute(apply_query(select(Run.id), where, sort)).scalars())
+        return list(conn.execute(apply_query(select(Run.id), where, sort, driver=driver)).scalars())
+
+
+def first_ids(engine, where, sort, limit, driver=None) -> list[str] | None:
+    """top_ids' answer (RunField rows alone), or None where the query needs the run table."""
+    stmt = top_ids(where, sort, limit, driver)
+    if stmt is None:
+        return None
+    with engine.connect() as conn:
+        return list(conn.execute(stmt).scalars())
+
+
+def drivers(where) -> range:
+    """Every joined test's index: whichever the plan starts from, the answer is the same."""
+    if where is None:
+        return range(0)
+    node, items = parse(where), []
+    stack = [node]
+    while stack:                              # the items of the top-level `and`, flattened
+        n = stack.pop()
+        if isinstance(n, And):
+            stack.extend(n.items)
+        else:
+            items.append(n)
+    return range(len({canonical(i.key) for i in items if isinstance(i, (Compare, In)) and i.key[0] not in COLUMNS}))
 
 
 @st.composite
@@ -382,6 +406,13 @@ def test_apply_query_matches_reference(populated, case):
     if node is not None:                                      # a Node works as its text does
         assert joined_order(populated, node, spec) == want, (text, spec)
         assert set(joined_order(populated, node, None)) == keep, text
+    for driver in drivers(text):
+        assert joined_order(populated, text, spec, driver) == want, (text, spec, driver)
+        assert first_ids(populated, text, spec, 3, driver) in (None, want[:3]), (text, spec, driver)
+    assert first_ids(populated, text, spec, 3) in (None, want[:3]), (text, spec)
+    with populated.connect() as conn:
+        chosen = choose_driver(conn, text)
+    assert chosen is None or chosen in drivers(text)
 
 
 def test_apply_query_hand(hand):
@@ -403,33 +434,65 @@ BENCH = "config.optim.lr = 0.0003 and summary.val_loss < 3.6"
 
 
 def test_apply_query_joins_instead_of_subqueries():
-    """Each tested key is one inner join, the sort key reuses its filter's join, and a pinned
-    number type orders by the indexed column alone; an unfiltered sort key is one outer join."""
+    """Each tested key is one inner join and the sort key reuses its filter's join; a sort key
+    that something else filters is kept off its index (+), so the plan starts from a filter;
+    an unfiltered sort key is one outer join."""
     sql = str(apply_query(select(Run.id), BENCH, "summary.val_loss").compile())
     assert sql.count("JOIN runfield AS") == 2 and "LEFT OUTER" not in sql
     assert "IN (SELECT" not in sql and "CASE" not in sql
     assert sql.count("EXISTS (SELECT") == 2                 # each joined test, asked once of the table
-    assert "ORDER BY rf2.num ASC, run.id ASC" in sql
+    assert "ORDER BY +rf2.num ASC, run.id ASC" in sql
     sql = str(apply_query(select(Run.id), "config.optim.lr = 0.0003", "-summary.val_loss").compile())
     assert sql.count("LEFT OUTER JOIN runfield AS") == 1 and sql.count("JOIN runfield AS") == 2
     assert "CASE rf2.vtype" in sql and "rf2.num DESC" in sql
     sql = str(apply_query(select(Run.id), "config.x = 1 or config.y = 2", "lr").compile())
     assert "JOIN" not in sql and sql.count("IN (SELECT") == 2
+    # the sort key's own tests alone: every run the index walk meets is a match, so it walks
+    sql = str(apply_query(select(Run.id), "summary.val_loss < 3.6", "summary.val_loss").compile())
+    assert "ORDER BY rf1.num ASC, run.id ASC" in sql
 
 
-def test_sqlite_walks_the_sort_index_and_stops_at_the_limit(engine):
-    """With a LIMIT the plan starts from the sort key's (key, vtype, num) range, already in order,
-    so it can stop after the first match; the old form sorted every candidate (a temp b-tree
-    for the whole ORDER BY)."""
+def sqlite_plan(conn, stmt) -> list[str]:
+    sql = str(stmt.compile(conn, compile_kwargs={"literal_binds": True}))
+    return [row[3] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
+
+
+def test_sqlite_starts_from_the_filter_not_the_sort_order(engine):
+    """The best run at one lr: the plan starts from that lr's (key, vtype, num) range and probes
+    each run's val_loss by primary key, then sorts the matches; its cost is the lr's runs, never
+    how far down the loss order they sit. With no other filter the sort key's index is walked
+    and the LIMIT stops it; a value no run has is found out once, up front (the EXISTS)."""
     if engine.dialect.name != "sqlite":
         pytest.skip("SQLite's EXPLAIN QUERY PLAN")
-    stmt = apply_query(select(Run.id), BENCH, "summary.val_loss").limit(1)
     with engine.connect() as conn:
-        sql = str(stmt.compile(conn, compile_kwargs={"literal_binds": True}))
-        plan = [row[3] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
-    assert plan[0].startswith("SEARCH rf2 USING ") and "ix_runfield_key_num (key=? AND vtype=? AND num<?)" in plan[0]
-    assert "USE TEMP B-TREE FOR ORDER BY" not in plan
-    assert not any("LIST SUBQUERY" in step or "CORRELATED" in step for step in plan)   # guards run once
+        for stmt in (apply_query(select(Run.id), BENCH, "summary.val_loss").limit(1),
+                     top_ids(BENCH, "summary.val_loss", 1)):
+            plan = sqlite_plan(conn, stmt)
+            assert "ix_runfield_key_num (key=? AND vtype=? AND num=?)" in plan[0], plan
+            assert any("USING PRIMARY KEY (key=? AND run_id=?)" in step for step in plan), plan
+            assert "num<?" not in " ".join(p for p in plan if not p.startswith("SEARCH runfield ")), plan
+            assert not any("LIST SUBQUERY" in step or "CORRELATED" in step for step in plan)
+        # a range that is the smaller side drives instead, when counts say so
+        plan = sqlite_plan(conn, top_ids(BENCH, "summary.val_loss", 1, driver=1))
+        assert "ix_runfield_key_num (key=? AND vtype=? AND num<?)" in plan[0], plan
+        plan = sqlite_plan(conn, apply_query(select(Run.id), "summary.val_loss < 3.6", "summary.val_loss").limit(1))
+        assert "num<?" in plan[0] and "USE TEMP B-TREE FOR ORDER BY" not in plan
+
+
+def test_driver_is_the_smaller_range(engine):
+    """choose_driver counts each joined test's rows (capped) and starts from the smallest."""
+    records = complete([{"id": f"r{i}", "project": "p", "name": "", "status": "completed",
+                         "config": {"opt": "adam", "lr": 0.1 * (i % 4)}, "summary": {"loss": float(i)}}
+                        for i in range(40)])
+    store(engine, records)
+    with engine.connect() as conn:
+        if engine.dialect.name != "sqlite":
+            assert choose_driver(conn, "config.opt = 'adam' and summary.loss < 2") is None
+            return
+        assert choose_driver(conn, "config.opt = 'adam' and summary.loss < 2") == 1       # 2 rows, not 40
+        assert choose_driver(conn, "config.lr = 0.1 and summary.loss < 30") == 0           # 10, not 30
+        assert choose_driver(conn, "summary.loss < 2") is None                             # nothing to choose
+    assert joined_order(engine, "config.opt = 'adam' and summary.loss < 2", "-summary.loss", 1) == ["r1", "r0"]
 
 
 def test_parse_sort():
