@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from pydantic_core import from_json
+
 from ingest.base import read_json_file, register, rejected
 from kb.errors import InvalidRecord
 from kb.records import Item, Parsed, parse_run
@@ -45,6 +47,14 @@ class NativeIngester:
 
 
 def _parse(path: Path, lineno: int, line: bytes) -> Item:
+    try:
+        # pydantic's JSON parser, ~3x faster than json.loads on a run's curves and the same values;
+        # any line it refuses goes the json.loads way below, which names what is wrong
+        data = from_json(line)
+    except ValueError:
+        pass
+    else:
+        return _validated(path, lineno, data)
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
