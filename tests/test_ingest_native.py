@@ -147,6 +147,47 @@ def test_failed_write_leaves_the_store_as_it_was(kb, tmp_path, monkeypatch):
     assert [r.id for r in kb.runs()] == ["before"]
 
 
+def _rows_of(kb, run_id):
+    with Session(kb.engine) as s:
+        return tuple(s.execute(select(func.count()).select_from(t).where(t.run_id == run_id)).scalar_one()
+                     for t in (MetricPoint, RunField)) + (int(s.get(Run, run_id) is not None),)
+
+
+def test_a_failing_run_rolls_back_alone_inside_its_batch(kb, tmp_path, monkeypatch):
+    """Runs share a transaction (a savepoint each): the one whose write fails, after its run row
+    went in, leaves nothing behind, and the runs before and after it in the batch are stored."""
+    import kb.runs as runs_mod
+    real_bulk = runs_mod._bulk
+
+    def failing_bulk(session, model, rows, columns=None):
+        if model is MetricPoint and rows and rows[0][0] == "b":
+            raise ValueError("a bad curve")
+        real_bulk(session, model, rows, columns)
+
+    monkeypatch.setattr(runs_mod, "_bulk", failing_bulk)
+    report = kb.ingest(str(write_jsonl(tmp_path / "abc.jsonl", [dict(RECORD, id=i) for i in "abc"])), index=False)
+    assert (report.added, [f["line"] for f in report.failed]) == (2, [2])
+    assert _rows_of(kb, "b") == (0, 0, 0)
+    assert _rows_of(kb, "a") == _rows_of(kb, "c") and _rows_of(kb, "a")[0] > 0
+    assert sorted(r.id for r in kb.runs()) == ["a", "c"]
+
+
+def test_an_error_that_ends_the_ingest_keeps_the_runs_before_it(kb, tmp_path, monkeypatch):
+    import kb.runs as runs_mod
+    real_bulk = runs_mod._bulk
+
+    def crashing_bulk(session, model, rows, columns=None):
+        if model is MetricPoint and rows and rows[0][0] == "c":
+            raise RuntimeError("disk full")
+        real_bulk(session, model, rows, columns)
+
+    monkeypatch.setattr(runs_mod, "_bulk", crashing_bulk)
+    with pytest.raises(RuntimeError):
+        kb.ingest(str(write_jsonl(tmp_path / "abcd.jsonl", [dict(RECORD, id=i) for i in "abcd"])), index=False)
+    assert sorted(r.id for r in kb.runs()) == ["a", "b"]
+    assert _rows_of(kb, "c") == (0, 0, 0) and _rows_of(kb, "b") == _rows_of(kb, "a")
+
+
 def test_promoted_columns_and_derived_scale(kb, tmp_path):
     rec = {"id": "derived", "config": {"model": {"n_layer": 2, "d_model": 64, "vocab_size": 256},
                                        "optim": {"lr": 1e-3}, "batch_size": 8, "block_size": 128},
