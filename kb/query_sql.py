@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from sqlalchemy import (Float, Integer, Numeric, Select, String, Text, and_, case, exists, false, func,
-                        literal, not_, or_, select, true)
+from sqlalchemy import (Float, Integer, Numeric, Select, String, Text, and_, case, false, func, literal,
+                        not_, or_, select, true)
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import aliased
 from sqlalchemy.sql.elements import ColumnElement
