@@ -188,11 +188,11 @@ class KnowledgeBase:
         # more than the indexed query itself
         with self.engine.connect() as conn:
             driver = choose_driver(conn, where)
-            first = top_ids(where, sort, limit, driver) if sort and limit else None
+            first = top_ids(where, sort, limit, driver) if sort and limit and limit <= TOP_IDS_MAX else None
             if first is not None:        # the best few found from RunField alone, then read by id
                 ids = list(conn.execute(first).scalars())
                 found = {row.id: row for row in conn.execute(_RUNS_BY_ID, {"ids": ids})} if ids else {}
-                return [RunPublic.of(found[i]) for i in ids]
+                return [RunPublic.of(found[i]) for i in ids if i in found]     # (deleted in between)
             stmt = _runs_statement(where, sort, limit, driver)
             return [RunPublic.of(row) for row in conn.execute(stmt)]
 
@@ -303,6 +303,7 @@ def open_kb(kb: KnowledgeBase | Settings | None = None) -> KnowledgeBase:
     return kb
 
 
+TOP_IDS_MAX = 1000      # ids read back in one IN list (Postgres takes at most 65,535 parameters)
 _RUNS_BY_ID = select(*Run.__table__.c).where(Run.__table__.c.id.in_(bindparam("ids", expanding=True)))
 
 

@@ -495,6 +495,21 @@ def test_driver_is_the_smaller_range(engine):
     assert joined_order(engine, "config.opt = 'adam' and summary.loss < 2", "-summary.loss", 1) == ["r1", "r0"]
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=filtered_sorts(), limit=st.sampled_from([1, 3]), project=st.sampled_from([None, "a"]))
+def test_knowledge_base_runs_gives_the_first_of_the_order(kb, case, limit, project):
+    """KnowledgeBase.runs, whichever way it reads (ids from RunField alone, or the joined
+    statement when the query needs the run table), returns the first runs of the order."""
+    if not kb.runs(limit=1):
+        store(kb.engine, RECORDS)
+    node, key, desc = case
+    spec = ("-" if desc else "") + render(Exists(key)).removesuffix(" exists")
+    keep = {r["id"] for r in RECORDS if (node is None or evaluate(node, r)) and project in (None, r["project"])}
+    want = [i for i in python_order(RECORDS, key, desc) if i in keep]
+    text = None if node is None else render(node)
+    assert [r.id for r in kb.runs(where=text, sort=spec, limit=limit, project=project)] == want[:limit], (text, spec)
+
+
 def test_parse_sort():
     assert parse_sort('-summary."val/loss"') == [(("summary", "val/loss"), True)]
     assert parse_sort("params DESC, name") == [(("params",), True), (("name",), False)]
