@@ -16,11 +16,12 @@ from collections import defaultdict
 from functools import lru_cache
 from json.encoder import encode_basestring_ascii
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import and_, delete, insert, select
 from sqlmodel import Session
 
-from kb.fields import canonical, field_rows, leaves
+from kb.fields import FIELD_COLUMNS, canonical, field_tuples, leaves
 from kb.models import Ablation, Run, RunField, utcnow
+from kb.query_sql import codepoint
 
 SEED_KEYS = {"seed", "data_seed", "random_seed", "init_seed", "shuffle_seed"}
 METRICS = ("val/loss", "val_loss", "eval/loss", "eval_loss", "valid/loss", "loss", "train/loss", "train_loss")
@@ -173,8 +174,11 @@ def refresh(session: Session, project: str) -> list[dict]:
     found = find_ablations(project, runs)
     session.execute(delete(Ablation).where(Ablation.project == project))
     ids = [r.id for r in runs]
+    # the ablations.* keys by code-point range, which the (key, run_id) primary key serves
+    # (LIKE is case-blind on SQLite, so no index can)
+    prefix = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunField.key) < "ablations/")
     for chunk in (ids[i:i + 500] for i in range(0, len(ids), 500)):
-        session.execute(delete(RunField).where(RunField.run_id.in_(chunk), RunField.key.like("ablations.%")))
+        session.execute(delete(RunField).where(RunField.run_id.in_(chunk), prefix))
     if found:
         session.execute(insert(Ablation.__table__), found)
     per_run: dict[str, dict] = defaultdict(dict)
@@ -185,7 +189,12 @@ def refresh(session: Session, project: str) -> list[dict]:
             for rid in v["runs"]:
                 per_run[rid][name] = {"role": "baseline" if v["baseline"] else "variant", "id": a["id"],
                                       "delta": v["delta"], "exceeds_seed_spread": v["exceeds_seed_spread"]}
-    rows = [row for rid, abl in per_run.items() for row in field_rows(rid, {"ablations": abl})]
+    rows = [row for rid, abl in per_run.items() for row in field_tuples(rid, {"ablations": abl})]
     if rows:
-        session.execute(insert(RunField.__table__), rows)
+        # straight to the driver, as the run writer does: four rows per run and ablation, and
+        # SQLAlchemy's per-row parameter handling cost more than the inserts
+        conn = session.connection()
+        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+        conn.exec_driver_sql(f"INSERT INTO runfield ({', '.join(FIELD_COLUMNS)}) "
+                             f"VALUES ({', '.join([mark] * len(FIELD_COLUMNS))})", rows)
     return found
