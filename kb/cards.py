@@ -63,3 +63,41 @@ def run_card(run: dict, failures: list[dict], anomalies: list[dict]) -> str:
 
 def card_hash(card: str) -> str:
     return hashlib.sha1(card.encode()).hexdigest()[:16]
+
+
+def ablation_card(ablation: dict, labels: dict[str, str] | None = None) -> str:
+    """An ablation as text: the factor, the metric, each variant's value and final metric, and
+    whether the effect clears the seed noise. `labels` maps run ids to names where known."""
+    labels = labels or {}
+    effect = ablation.get("effect") or {}
+    lines = [f"ablation {ablation['id']} in project {ablation['project']}: "
+             f"{ablation['factor']} varied, {ablation.get('metric') or 'no metric'} compared"]
+    for v in ablation.get("variants") or []:
+        run = v.get("run") or (v.get("runs") or ["?"])[0]
+        metric = "no final value" if v.get("metric") is None else fmt(v["metric"])
+        delta = "" if v.get("delta") is None or v.get("baseline") else f" (delta {v['delta']:+.4g})"
+        role = " baseline" if v.get("baseline") else ""
+        seeds = f", {v['seeds']} seeds" if (v.get("seeds") or 1) > 1 else ""
+        lines.append(f"{ablation['factor']}={fmt(v.get('value'))}{role}: {metric}{delta} "
+                     f"(run {labels.get(run, run)}{seeds})")
+    if effect.get("best"):
+        lines.append(f"best: run {labels.get(effect['best'], effect['best'])}")
+    if effect.get("seed_sigma") is not None:
+        lines.append(f"seed noise sigma {fmt(effect['seed_sigma'])}")
+    return "\n".join(lines)
+
+
+def failure_card(failure: dict, run: dict) -> str:
+    """A failure as text, with the run it ended and that run's main hyperparameters, so a
+    question like "why did the 350M run at lr 3e-3 diverge" finds it."""
+    at = f" at step {failure['step']}" if failure.get("step") is not None else ""
+    hp = canonical_hparams(run.get("config") or {})
+    lines = [f"failure {failure['kind']}{at} in run {run.get('name') or run['id']} (id {run['id']}) "
+             f"in project {run['project']}"]
+    if hp:
+        lines.append("hyperparameters: " + " ".join(f"{n}={fmt(v)}" for n, (_, v) in list(hp.items())[:8]))
+    if failure.get("message"):
+        lines.append("message: " + " ".join(failure["message"].split())[:300])
+    if failure.get("evidence"):
+        lines.append("evidence: " + " ".join(failure["evidence"].split())[:400])
+    return "\n".join(lines)
