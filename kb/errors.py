@@ -35,3 +35,11 @@ class IndexBusy(KBError):
 
 class UnknownFormat(KBError):
     """No ingester recognises a path, or several do."""
+
+
+class LLMError(KBError):
+    """The configured language model cannot run: its package or model file is missing, or it failed."""
+
+
+class LLMOutputInvalid(LLMError):
+    """The language model's output is not the JSON its schema asks for (after the allowed retry)."""

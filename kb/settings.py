@@ -22,7 +22,8 @@ class Settings(BaseSettings):
     embedding_batch: int = 64
     llm_backend: str = Field(default="llamacpp", description="llamacpp | openai | hf")
     llm_model: str | None = Field(default=None, description="GGUF path, HF id or endpoint model name")
-    llm_base_url: str | None = None
+    llm_base_url: str | None = Field(default=None, description="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1")
+    llm_api_key: str | None = Field(default=None, description="the endpoint's API key; local servers need none")
     threads: int = Field(default=1, description="torch / llama.cpp threads; 1 is fastest beside other work")
 
     @property
