@@ -92,3 +92,31 @@ def _failures(s: Session, ids: list[str] | None) -> Iterator[Chunk]:
         text = failure_card({"kind": f.kind, "step": f.step, "message": f.message, "evidence": f.evidence},
                             {"id": rid, "name": name, "project": project, "config": config})
         yield Chunk("failure", str(f.id), text, project, status, rid)
+
+
+def record_values(engine: Engine, keys: Iterable[str]) -> dict[str, list]:
+    """Each record's full content (not its card's rounded text), for checking that a number an
+    answer states was measured: a run's config, scale, summary and curve stats; a failure's
+    fields; an ablation's variants and effect; a note's text."""
+    wanted: dict[str, list[str]] = {k: [] for k in KINDS}
+    for key in keys:
+        kind, _, ref = key.partition(":")
+        if kind in wanted and ref:
+            wanted[kind].append(ref)
+    out: dict[str, list] = {}
+    with Session(engine) as s:
+        if wanted["run"]:
+            q = select(Run.id, Run.config, Run.scale, Run.summary, Run.stats, Run.lr, Run.params, Run.tokens)
+            for row in s.execute(q.where(Run.id.in_(wanted["run"]))):
+                out[f"run:{row[0]}"] = list(row[1:])
+        if wanted["ablation"]:
+            for a in s.execute(select(Ablation).where(Ablation.id.in_(wanted["ablation"]))).scalars():
+                out[f"ablation:{a.id}"] = [a.variants, a.effect]
+        ids = [int(i) for i in wanted["failure"] if i.isdigit()]
+        if ids:
+            for f in s.execute(select(Failure).where(Failure.id.in_(ids))).scalars():
+                out[f"failure:{f.id}"] = [f.step, f.message, f.evidence]
+        if wanted["note"]:
+            for n in s.execute(select(Note).where(Note.id.in_(wanted["note"]))).scalars():
+                out[f"note:{n.id}"] = [n.title, n.text]
+    return out

@@ -14,7 +14,7 @@ from sqlalchemy import or_, select
 from sqlmodel import Session
 
 from agents.corpus import Chunk, chunks_by_key
-from agents.sparse import SparseIndex
+from agents.sparse import SparseIndex, signature
 from kb.models import Failure, Run
 
 RRF_K = 60.0          # the constant of Cormack et al.; ranks past ~60 barely count
@@ -48,9 +48,11 @@ class Retriever:
             self._sparse = SparseIndex.open(self.kb.engine, self.kb.settings.home / "bm25")
         return self._sparse
 
-    def refresh(self) -> None:
-        """Drop the keyword index so the next retrieval reopens it against SQL."""
-        self._sparse = None
+    def refresh_if_changed(self) -> None:
+        """Reopen the keyword index if SQL changed since it was loaded (a few ms: once per
+        question, never per retrieval)."""
+        if self._sparse is not None and self._sparse.signature != signature(self.kb.engine):
+            self._sparse = None
 
     def retrieve(self, question: str, k: int = 8, *, where: str | None = None, project: str | None = None,
                  kinds: set[str] | None = None, depth: int = 30) -> list[Retrieved]:

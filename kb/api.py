@@ -291,6 +291,27 @@ class KnowledgeBase:
         return self.index.search(vector, limit=limit, where=filters or None)
 
 
+    # ---- questions ----------------------------------------------------------------------------
+
+    def ask(self, question: str):
+        """Answer a question about past experiments: an agents.evidence.Answer whose every sentence
+        cites the records that support it, with the SQL it ran for quantitative questions."""
+        return self.chat().ask(question)
+
+    def chat(self):
+        """A conversation: `c = kb.chat(); c.ask("best lr at 125M?"); c.ask("and at 350M?")`;
+        `c.stream(question)` yields the answer's text in pieces for a UI."""
+        from agents.answer import Agent
+        return Agent(self, retriever=self._retriever())
+
+    def _retriever(self):
+        # one per KnowledgeBase: the keyword index is loaded once, not per question
+        if getattr(self, "_retriever_obj", None) is None:
+            from agents.retrieve import Retriever
+            self._retriever_obj = Retriever(self)
+        return self._retriever_obj
+
+
 def open_kb(kb: KnowledgeBase | Settings | None = None) -> KnowledgeBase:
     """A KnowledgeBase from None (KB_* settings), a Settings, or an open KnowledgeBase.
 

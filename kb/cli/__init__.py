@@ -51,8 +51,8 @@ def cli(ctx, home, database_url, verbose):
 
 
 def _register() -> None:
-    from kb.cli import demo, runs, track
-    for module in (runs, track, demo):
+    from kb.cli import ask, demo, runs, track
+    for module in (runs, ask, track, demo):
         module.register(cli)
 
 
