@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from kb.errors import InvalidRecord
-from kb.records import Item, Rejected
+from kb.records import MAX_DEPTH, Item, Rejected
 
 
 class Ingester(Protocol):
@@ -61,15 +61,20 @@ def rejected(source: Path | str, error: str, *, line: int | None = None, field: 
 
 
 def read_text_file(path: Path, encoding: str = "utf-8") -> tuple[str | None, Rejected | None]:
-    """(text, None), or (None, a Rejected naming the byte and line that is not UTF-8)."""
+    """(text, None), or (None, a Rejected naming the byte and line that is not UTF-8). A UTF-8
+    byte-order mark (some Windows editors and Excel write one) is not part of the text."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
         return None, rejected(path, f"cannot read: {exc.strerror or exc}")
     try:
-        return raw.decode(encoding), None
+        text = raw.decode(encoding)
     except UnicodeDecodeError as exc:
         return None, rejected(path, f"not UTF-8 (byte {exc.start})", line=raw[:exc.start].count(b"\n") + 1)
+    return (text.removeprefix("\ufeff") if encoding.replace("-", "").lower() == "utf8" else text), None
+
+
+TOO_DEEP = f"JSON nested deeper than {MAX_DEPTH} levels"
 
 
 def read_json_file(path: Path) -> tuple[Any, Rejected | None]:
@@ -81,3 +86,5 @@ def read_json_file(path: Path) -> tuple[Any, Rejected | None]:
         return json.loads(text), None
     except json.JSONDecodeError as exc:
         return None, rejected(path, f"invalid JSON: {exc.msg} (column {exc.colno})", line=exc.lineno)
+    except RecursionError:         # json's own limit, far past a record's
+        return None, rejected(path, TOO_DEEP)

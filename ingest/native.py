@@ -1,13 +1,14 @@
 """Native run records: a `.json` file holding one record (or a list), or `.jsonl` holding one per line."""
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Iterator
 
 from pydantic_core import from_json
 
-from ingest.base import read_json_file, register, rejected
+from ingest.base import TOO_DEEP, read_json_file, register, rejected
 from kb.errors import InvalidRecord
 from kb.records import Item, Parsed, parse_run
 
@@ -27,7 +28,7 @@ class NativeIngester:
         if path.suffix == ".json":
             yield from self._read_json(path)
             return
-        raw = path.read_bytes()
+        raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)      # an editor's byte-order mark is no record
         for lineno, line in enumerate(raw.split(b"\n"), start=1):
             if not line.strip():
                 continue
@@ -51,8 +52,9 @@ def _parse(path: Path, lineno: int, line: bytes) -> Item:
         # pydantic's JSON parser, ~3x faster than json.loads on a run's curves and the same values;
         # any line it refuses goes the json.loads way below, which names what is wrong
         data = from_json(line)
-    except ValueError:
-        pass
+    except ValueError as exc:
+        if "recursion limit" in str(exc):      # ~200 levels: far past what a record may hold
+            return rejected(path, TOO_DEEP, line=lineno)
     else:
         return _validated(path, lineno, data)
     try:
@@ -63,6 +65,8 @@ def _parse(path: Path, lineno: int, line: bytes) -> Item:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         return rejected(path, f"invalid JSON: {exc.msg} (column {exc.colno})", line=lineno)
+    except RecursionError:
+        return rejected(path, TOO_DEEP, line=lineno)
     return _validated(path, lineno, data)
 
 

@@ -14,7 +14,7 @@ from sqlmodel import Session, create_engine
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-HEAD = "0005"   # newest revision in migrations/versions; checked without importing alembic
+HEAD = "0006"   # newest revision in migrations/versions; checked without importing alembic
 
 
 def make_engine(url: str) -> Engine:

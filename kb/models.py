@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, Column, Float, Index, PrimaryKeyConstraint, Text
+from sqlalchemy import JSON, BigInteger, Column, Float, Index, PrimaryKeyConstraint, SmallInteger, Text
 from sqlalchemy import text as sql_text
 from sqlmodel import Field, SQLModel
 
@@ -25,6 +25,21 @@ def utcnow() -> datetime:
 
 def json_col(**kw) -> Column:
     return Column(JSONType, **kw)
+
+
+def only_on(dialect: str, index: Index) -> Index:
+    """An index one store has and the other has not: created on that dialect only, and marked
+    (info["only_on"]) so a schema comparison elsewhere leaves it out (kb/migrations/env.py,
+    tests/test_migrations.py)."""
+    index.info["only_on"] = dialect
+    return index.ddl_if(dialect=dialect)
+
+
+def on_this_dialect(dialect: str):
+    """An alembic `include_object` hook: compare only what this dialect is meant to have."""
+    def include(obj, name, type_, reflected, compare_to) -> bool:
+        return reflected or type_ != "index" or obj.info.get("only_on", dialect) == dialect
+    return include
 
 
 class Provenance(SQLModel):
@@ -90,9 +105,14 @@ class RunField(SQLModel, table=True):
     __table_args__ = (
         PrimaryKeyConstraint("key", "run_id"),
         Index("ix_runfield_key_num", "key", "vtype", "num"),
-        # string tests only: a NULL text never matches one, and most leaves are numbers
-        Index("ix_runfield_key_text", "key", "vtype", "text",
-              sqlite_where=sql_text("text IS NOT NULL"), postgresql_where=sql_text("text IS NOT NULL")),
+        # string tests only: a NULL text never matches one, and most leaves are numbers. On
+        # Postgres a hash index instead: a btree row holds at most 2,704 bytes there, and a 1 MB
+        # config string must go in; equality finds it either way, and string order there is
+        # COLLATE "C", which a btree in the database's collation never served (migration 0006)
+        only_on("sqlite", Index("ix_runfield_key_text", "key", "vtype", "text",
+                                sqlite_where=sql_text("text IS NOT NULL"))),
+        only_on("postgresql", Index("ix_runfield_text_hash", "text", postgresql_using="hash",
+                                    postgresql_where=sql_text("text IS NOT NULL"))),
         Index("ix_runfield_run_id", "run_id"),
         {"sqlite_with_rowid": False},
     )
@@ -105,14 +125,22 @@ class RunField(SQLModel, table=True):
 
 class MetricPoint(SQLModel, table=True):
     """One curve point. Clustered by (run, key, seq) so a curve is one contiguous read and a
-    write touches one b-tree (seq is the point's position in its series; steps may repeat)."""
+    write touches one b-tree (seq is the point's position in its series; steps may repeat).
+
+    SQLite stores a NaN as NULL, so a NULL value is NaN and a NULL wall time is a point without
+    one, unless `nulls` says the record had a null there (migration 0006): NaN (a divergence),
+    null (no value) and a point written with a null wall time all read back as written."""
     __table_args__ = {"sqlite_with_rowid": False}
     run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
     key: str = Field(primary_key=True)
     seq: int = Field(primary_key=True)
     step: int = Field(sa_column=Column(BigInteger, nullable=False))
-    value: float | None = Field(default=None, sa_column=Column(Float))   # NULL is NaN
+    value: float | None = Field(default=None, sa_column=Column(Float))   # ±inf as is; NULL: NaN or null
     wall_time: float | None = Field(default=None, sa_column=Column(Float))
+    nulls: int | None = Field(default=None, sa_column=Column(SmallInteger))   # NULL for most points
+
+
+NULL_VALUE, NULL_WALL = 1, 2      # MetricPoint.nulls bits: the value is null; a third item, null
 
 
 class Failure(SQLModel, table=True):

@@ -9,12 +9,14 @@ import hashlib
 import json
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictInt, ValidationError,
+                      field_validator, model_validator)
 from pydantic_core import to_json
 
 from kb.errors import InvalidRecord
@@ -24,12 +26,44 @@ FailureKind = Literal["diverged", "loss_spike", "oom", "nccl_timeout", "hardware
                       "exception", "plateau", "timeout", "other"]
 INT64 = 2**63 - 1
 
+# ---- limits: the same on SQLite and Postgres (README, "Limits") ------------------------------
+# Names and key paths sit in btree index rows, which Postgres caps at 2,704 bytes; a character
+# takes up to 4 bytes in UTF-8, so a key path and a run id together stay under 2,400 bytes.
+# String values are not in any btree on Postgres (a hash index finds them), so they may be long.
+MAX_NAME = 200              # characters: id, project, parent, hypothesis, a tag, a metric name
+MAX_KEY = 400               # characters: a stored key path as queries spell it (`config.optim.lr`)
+MAX_TEXT = 16 * 2**20       # characters: any one string
+MAX_DEPTH = 64              # objects and lists nested in config, summary, meta or code
 
-class Strict(BaseModel):
+
+def text_problem(s: str, limit: int = MAX_TEXT) -> str | None:
+    """Why a string cannot be stored, or None. Postgres text cannot hold NUL, and a lone
+    surrogate (JSON's "\\ud800") is no Unicode at all; both are refused on SQLite too, so
+    the two stores accept the same records."""
+    if len(s) > limit:
+        return f"is {len(s):,} characters long; the limit is {limit:,}"
+    if "\x00" in s:
+        return "contains a NUL character (\\u0000), which text cannot hold"
+    if not s.isascii():
+        try:
+            s.encode()
+        except UnicodeEncodeError as exc:
+            return (f"contains a lone surrogate (\\u{ord(s[exc.start]):04x} at character {exc.start}), "
+                    "which is not Unicode text")
+    return None
+
+
+def _checked(v: str | None, limit: int = MAX_TEXT) -> str | None:
+    if v is not None and (problem := text_problem(v, limit)):
+        raise ValueError(problem)
+    return v
+
+
+class StrictRecord(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
 
-class FailureIn(Strict):
+class FailureIn(StrictRecord):
     kind: FailureKind
     step: int | None = None
     message: str = ""
@@ -40,8 +74,21 @@ class FailureIn(Strict):
     def _step_in_range(cls, v):
         return _check_int(v)
 
+    @field_validator("message")
+    @classmethod
+    def _text(cls, v):
+        return _checked(v)
 
-class Scale(Strict):
+    @field_validator("evidence")
+    @classmethod
+    def _evidence(cls, v):
+        for i, line in enumerate([v] if isinstance(v, str) else v):
+            if problem := text_problem(line):
+                raise ValueError(problem if isinstance(v, str) else f"failure.evidence.{i}: {problem}")
+        return v
+
+
+class Scale(StrictRecord):
     params: int | None = None
     tokens: int | None = None
     flops: float | None = None
@@ -68,15 +115,29 @@ class Code(BaseModel):
     argv: list[str] | None = None
     host: str | None = None
 
+    @model_validator(mode="after")
+    def _json_values(self):
+        _check_json(self.model_dump(exclude_none=True), ("code",))
+        return self
 
-# (step, value) or (step, value, wall time). Tried in this order, the usual three-item point
-# validates on the first try; pydantic's default ("smart") union tried both shapes on every
-# point, 2.5x slower. A point matches one shape at most, so the result is the same.
-Point = Annotated[Union[tuple[int, float | None, float | None], tuple[int, float | None]],
+
+# A curve point: [step, value] or [step, value, wall_time], with strict types: a step is an
+# integer (not true, not "5"), a value a number, null or one of the strings JSON spells the
+# non-finite values with, a wall time a finite number or null. Tried in this order, the usual
+# three-item point validates on the first try; pydantic's default ("smart") union tried both
+# shapes on every point, 2.5x slower. A point matches one shape at most, so the result is the same.
+NONFINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_Spelled = Annotated[Literal["NaN", "Infinity", "-Infinity"], AfterValidator(NONFINITE_TEXT.__getitem__)]
+Value = Annotated[Union[Annotated[float, Strict()], None, _Spelled], Field(union_mode="left_to_right")]
+Wall = Union[Annotated[float, Strict(), Field(allow_inf_nan=False)], None]
+Point = Annotated[Union[tuple[StrictInt, Value, Wall], tuple[StrictInt, Value]],
                   Field(union_mode="left_to_right")]
 
 
-class RunRecord(Strict):
+class RunRecord(StrictRecord):
+    # NaN and null curve values serialize apart (content_hash's bytes): a NaN loss is a divergence
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
     id: str | None = None
     project: str = "default"
     name: str | None = None
@@ -102,10 +163,28 @@ class RunRecord(Strict):
             raise ValueError("must not be empty")
         return v
 
+    @field_validator("id", "project", "parent", "hypothesis")
+    @classmethod
+    def _names(cls, v):
+        return _checked(v, MAX_NAME)
+
+    @field_validator("name", "notes")
+    @classmethod
+    def _text(cls, v):
+        return _checked(v)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v):
+        for i, tag in enumerate(v):
+            if problem := text_problem(tag, MAX_NAME):
+                raise ValueError(f"tags.{i}: {problem}")
+        return v
+
     @field_validator("config", "summary", "meta")
     @classmethod
     def _json_values(cls, v, info):
-        _check_json(v, info.field_name)
+        _check_json(v, (info.field_name,), keyed=info.field_name != "meta")
         return v
 
     @field_validator("metrics")
@@ -114,19 +193,25 @@ class RunRecord(Strict):
         for key, points in v.items():
             if not key:
                 raise ValueError("metric name must not be empty")
+            if problem := text_problem(key, MAX_NAME):
+                raise ValueError(f"metrics.{key[:40]}: the name {problem}")
             steps = [p[0] for p in points]          # min/max in C: a loop here cost more than validation
             if steps and (min(steps) < 0 or max(steps) > INT64):
                 i = next(i for i, step in enumerate(steps) if step < 0 or step > INT64)
-                raise ValueError(f"{key}[{i}]: step {steps[i]} out of range")
+                raise ValueError(f"metrics.{key}.{i}.0: step {steps[i]} is out of range (0 to 2**63-1)")
         return v
 
     @field_validator("started_at", "ended_at")
     @classmethod
     def _utc(cls, v):
-        """Times are stored in UTC; a time written without a zone is taken to be UTC already."""
+        """Times are stored in UTC; a time written without a zone is taken to be UTC already. A
+        time whose UTC day falls outside the years 1 to 9999 has no datetime to be stored as."""
         if v is None:
             return v
-        return v.replace(tzinfo=timezone.utc) if v.tzinfo is None else v.astimezone(timezone.utc)
+        try:
+            return v.replace(tzinfo=timezone.utc) if v.tzinfo is None else v.astimezone(timezone.utc)
+        except OverflowError:
+            raise ValueError(f"{v.isoformat()} is outside the years 1 to 9999 once in UTC") from None
 
     @model_validator(mode="after")
     def _needs_content(self):
@@ -136,7 +221,6 @@ class RunRecord(Strict):
 
 
 NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
-MAX_DEPTH = 32
 
 
 def json_safe(value: Any, _depth: int = 0) -> Any:
@@ -144,9 +228,8 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
     whatever wrote it: NaN and infinities become the strings "NaN", "Infinity", "-Infinity"
     (as curve values print in JSON), ints beyond 64 bits become their decimal text, bytes
     their UTF-8 text, numpy scalars and arrays plain numbers and lists, enums their value,
-    times ISO-8601, tuples and sets lists, anything else its str()."""
-    if _depth > MAX_DEPTH:
-        return str(value)
+    times ISO-8601, tuples and sets lists, anything else its str() (also what is nested deeper
+    than MAX_DEPTH, which a record cannot hold)."""
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -155,6 +238,8 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
         if math.isnan(value):
             return "NaN"
         return NONFINITE.get(value, value)
+    if isinstance(value, (dict, list, tuple, set, frozenset)) and _depth >= MAX_DEPTH:
+        return str(value)
     if isinstance(value, dict):
         return {str(k): json_safe(v, _depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
@@ -184,26 +269,55 @@ def _check_int(v):
     return v
 
 
-def _check_json(value: Any, path: str) -> None:
-    """Numbers in config/summary must be finite and fit in 64 bits: SQL and JSONB can hold them."""
+def _check_json(value: Any, path: tuple, keyed: bool = False) -> None:
+    """What config, summary, meta and code may hold: numbers finite and within 64 bits (SQL can
+    hold them), strings that text can hold (`text_problem`), containers at most MAX_DEPTH deep
+    (path[0] is the namespace, so a container's depth is len(path)), and where the leaves become
+    queryable fields (`keyed`), names of at most MAX_NAME and key paths of at most MAX_KEY."""
     if isinstance(value, dict):
+        if len(path) > MAX_DEPTH:
+            raise ValueError(f"{_shown(path)}: nested deeper than {MAX_DEPTH} levels")
         for k, v in value.items():
             if not isinstance(k, str):
-                raise ValueError(f"{path}: keys must be strings")
-            _check_json(v, f"{path}.{k}")
+                raise ValueError(f"{_shown(path)}: keys must be strings")
+            if problem := text_problem(k, MAX_NAME if keyed else MAX_TEXT):
+                raise ValueError(f"{_shown(path)}: the key {k[:40]!r} {problem}")
+            _check_json(v, path + (k,), keyed)
     elif isinstance(value, list):
+        if len(path) > MAX_DEPTH:
+            raise ValueError(f"{_shown(path)}: nested deeper than {MAX_DEPTH} levels")
         for i, v in enumerate(value):
-            _check_json(v, f"{path}.{i}")
-    elif isinstance(value, bool) or value is None or isinstance(value, str):
-        return
-    elif isinstance(value, int):
-        if not -INT64 - 1 <= value <= INT64:
-            raise ValueError(f"{path}: number {value} does not fit in 64 bits")
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{path}: number is not finite")
+            _check_json(v, path + (str(i),), keyed)
     else:
-        raise ValueError(f"{path}: {type(value).__name__} is not a JSON value")
+        if keyed and _key_too_long(path):
+            raise ValueError(f"{_shown(path)}: the key path is longer than {MAX_KEY} characters")
+        if isinstance(value, str):
+            if problem := text_problem(value):
+                raise ValueError(f"{_shown(path)}: {problem}")
+        elif isinstance(value, bool) or value is None:
+            return
+        elif isinstance(value, int):
+            if not -INT64 - 1 <= value <= INT64:
+                raise ValueError(f"{_shown(path)}: number {value} does not fit in 64 bits")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError(f"{_shown(path)}: number is not finite")
+        else:
+            raise ValueError(f"{_shown(path)}: {type(value).__name__} is not a JSON value")
+
+
+def _key_too_long(path: tuple) -> bool:
+    """Whether a leaf's stored key (kb.fields.canonical) is over MAX_KEY. Quoting at most doubles
+    a segment and adds two quotes, so most paths are cleared without spelling the key."""
+    if 2 * sum(map(len, path)) + 3 * len(path) <= MAX_KEY:
+        return False
+    from kb.fields import canonical      # kb.fields builds on this module
+    return len(canonical(path)) > MAX_KEY
+
+
+def _shown(path: tuple) -> str:
+    text = ".".join(path)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def parse_run(data: Any) -> RunRecord:
@@ -214,17 +328,54 @@ def parse_run(data: Any) -> RunRecord:
         return RunRecord.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
+        raw = err["loc"]
+        if len(raw) > 2 and raw[0] == "metrics" and isinstance(raw[2], int):
+            # a point's error, said in the record's terms (pydantic's names the last union branch tried)
+            item, problem = _point_problem(data["metrics"][raw[1]][raw[2]])
+            if problem:
+                field = f"metrics.{raw[1]}.{raw[2]}" + ("" if item is None else f".{item}")
+                raise InvalidRecord(problem, field=field) from None
         # drop pydantic's union-branch labels ("tuple[int, ...]") from the location
-        loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and "[" in p))
+        loc = ".".join(str(p) for p in raw if not (isinstance(p, str) and "[" in p))
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         # a nested validator names its own path ("config.optim.lr: ..."): prefer it
-        if ": " in msg and msg.split(": ", 1)[0].startswith(loc.split(".")[0] + "."):
+        head = msg.split(": ", 1)[0]
+        if ": " in msg and (head == loc or head.startswith(loc.split(".")[0] + ".")):
             loc, msg = msg.split(": ", 1)
         raise InvalidRecord(msg, field=loc) from None
+
+
+def _point_problem(point: Any) -> tuple[int | None, str | None]:
+    """(item index or None, what is wrong) for a curve point that failed validation."""
+    shape = "a point is [step, value] or [step, value, wall_time]"
+    if not isinstance(point, (list, tuple)):
+        return None, f"{shape}, got {_as_json(point)}"
+    if len(point) not in (2, 3):
+        return None, f"{shape}; this one has {len(point)} items"
+    step, value = point[0], point[1]
+    if type(step) is not int:
+        return 0, f"a step is an integer, got {_as_json(step)}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+        return 1, "the value is beyond the range of a float"
+    if not (value is None or isinstance(value, (int, float)) and not isinstance(value, bool)
+            or isinstance(value, str) and value in NONFINITE_TEXT):
+        return 1, (f"{_as_json(value)} is not a valid number (a value is a number, null, "
+                   '"NaN", "Infinity" or "-Infinity")')
+    if len(point) == 3:
+        wall = point[2]
+        if not (wall is None or isinstance(wall, (int, float)) and not isinstance(wall, bool)
+                and math.isfinite(wall)):
+            return 2, f"a wall time is a finite number or null, got {_as_json(wall)}"
+    return None, None
+
+
+def _as_json(value: Any) -> str:
+    text = to_json(value, inf_nan_mode="constants", fallback=repr).decode()
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def content_hash(record: RunRecord, source_kind: str) -> str:
@@ -236,7 +387,7 @@ def content_hash(record: RunRecord, source_kind: str) -> str:
     against every point), spliced in where the model puts them."""
     head = record.model_dump_json(exclude_none=True, include=_BEFORE_METRICS)
     tail = record.model_dump_json(exclude_none=True, include=_AFTER_METRICS)
-    curves = b'"metrics":' + to_json(record.metrics, inf_nan_mode="null")
+    curves = b'"metrics":' + to_json(record.metrics, inf_nan_mode="constants")
     parts = [head[1:-1].encode(), curves, tail[1:-1].encode()]
     h = hashlib.sha256(source_kind.encode() + b"\0")
     h.update(b"{" + b",".join(p for p in parts if p) + b"}")

@@ -7,9 +7,11 @@ ORM rows never leave this module: callers get `RunPublic` (kb.models) / `RunDeta
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from typing import Any, Literal
 
+from pydantic import ConfigDict
 from sqlalchemy import bindparam, delete, select
 from sqlmodel import Session
 
@@ -17,7 +19,7 @@ from kb import curves, vocab
 from kb.cards import run_card
 from kb.fields import FIELD_COLUMNS, field_tuples
 from kb.indexer import queue_index
-from kb.models import Ablation, Anomaly, Failure, MetricPoint, Run, RunField, RunPublic, utcnow
+from kb.models import NULL_VALUE, NULL_WALL, Ablation, Anomaly, Failure, MetricPoint, Run, RunField, RunPublic, utcnow
 from kb.records import RunRecord, content_hash, json_safe
 
 Outcome = Literal["added", "updated", "unchanged"]
@@ -111,14 +113,24 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
                   "failure": {k: failures[0].get(k) for k in ("kind", "step")} if failures else {},
                   "tags": {t: True for t in record.tags}}
     _bulk(session, RunField, field_tuples(run_id, vocab.with_canonical(namespaces, hp)), columns=FIELD_COLUMNS)
-    _bulk(session, MetricPoint, [
-        (run_id, key, i, p[0], None if p[1] != p[1] else p[1], p[2] if len(p) > 2 else None)   # NaN -> NULL
-        for key, pts in metrics.items() for i, p in enumerate(pts)],
-        columns=("run_id", "key", "seq", "step", "value", "wall_time"))
+    _bulk(session, MetricPoint, point_rows(run_id, metrics), columns=POINT_COLUMNS)
     _bulk(session, Failure, [{"run_id": run_id, **f} for f in failures])
     _bulk(session, Anomaly, [{"run_id": run_id, **a} for a in anomalies])
     queue_index(session, "run", run_id)
     return ("added" if stored is None else "updated"), run_id
+
+
+POINT_COLUMNS = ("run_id", "key", "seq", "step", "value", "wall_time", "nulls")
+
+
+def point_rows(run_id: str, metrics: dict[str, list[tuple]]) -> list[tuple]:
+    """MetricPoint rows. NaN goes in as NULL (what SQLite makes of it anyway); a null value and a
+    null wall time are marked in `nulls`, so the three read back apart (kb.models.MetricPoint)."""
+    return [(run_id, key, i, p[0], p[1], p[2] if len(p) > 2 else None, None)
+            if p[1] == p[1] and p[1] is not None and (len(p) < 3 or p[2] is not None)    # most points
+            else (run_id, key, i, p[0], None if p[1] != p[1] else p[1], p[2] if len(p) > 2 else None,
+                  (NULL_VALUE if p[1] is None else 0) | (NULL_WALL if len(p) > 2 and p[2] is None else 0) or None)
+            for key, pts in metrics.items() for i, p in enumerate(pts)]
 
 
 def _failures(record: RunRecord, metrics: "dict | curves.Curves") -> list[dict]:
@@ -162,22 +174,33 @@ def _hp(hp: dict, name: str):
 
 
 class RunDetail(RunPublic):
-    """One run with everything about it: its curves, failures, anomalies and ablations."""
+    """One run with everything about it: its curves, failures, anomalies and ablations.
+
+    Curve values are floats here (NaN and ±inf included) or None (no value); in JSON the
+    non-finite ones are the strings "NaN", "Infinity" and "-Infinity", as the contract spells them."""
+    model_config = ConfigDict(ser_json_inf_nan="strings")
     metrics: dict[str, list[list[Any]]] = {}
     failures: list[dict] = []
     anomalies: list[dict] = []
     ablations: list[dict] = []
     card: str = ""
 
+    def as_dict(self) -> dict:
+        data = super().as_dict()
+        data["metrics"] = {k: [[json_safe(x) for x in p] for p in pts] for k, pts in self.metrics.items()}
+        return data
+
 
 def read_detail(session: Session, row: Run) -> RunDetail:
     view = RunPublic.of(row).model_dump()
     metrics: dict[str, list[list[Any]]] = {}
-    pts = session.execute(select(MetricPoint.key, MetricPoint.step, MetricPoint.value, MetricPoint.wall_time)
+    pts = session.execute(select(MetricPoint.key, MetricPoint.step, MetricPoint.value, MetricPoint.wall_time,
+                                 MetricPoint.nulls)
                           .where(MetricPoint.run_id == row.id).order_by(MetricPoint.key, MetricPoint.seq))
-    for key, step, value, wall in pts:
-        point = [step, float("nan") if value is None else value]
-        if wall is not None:
+    for key, step, value, wall, nulls in pts:
+        nulls = nulls or 0
+        point = [step, value if value is not None or nulls & NULL_VALUE else math.nan]
+        if wall is not None or nulls & NULL_WALL:
             point.append(wall)
         metrics.setdefault(key, []).append(point)
     failures = [{"id": str(f.id), "kind": f.kind, "step": f.step, "message": f.message,

@@ -16,14 +16,15 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import text
 from sqlmodel import SQLModel
 
-import kb.models  # noqa: F401  (registers the tables on SQLModel.metadata)
 from kb.db import HEAD, MIGRATIONS, current_revision
+from kb.models import on_this_dialect  # (importing kb.models registers the tables on SQLModel.metadata)
 
 
 def schema_diff(conn) -> list:
     # the options kb/migrations/env.py autogenerates with, plus server defaults: none is declared
     # today, so one that appears in a model without a migration is drift too
-    context = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
+    context = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True,
+                                                     "include_object": on_this_dialect(conn.dialect.name)})
     return compare_metadata(context, SQLModel.metadata)
 
 

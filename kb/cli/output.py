@@ -9,9 +9,10 @@ import click
 
 
 def _clean(value):
-    """JSON has no NaN: a NaN metric prints as null."""
+    """JSON has no NaN: a non-finite number prints as the contract spells it ("NaN", "Infinity",
+    "-Infinity"), never as null, which means no value."""
     if isinstance(value, float) and not math.isfinite(value):
-        return None
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -2,7 +2,7 @@
 from alembic import context
 from sqlmodel import SQLModel
 
-import kb.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from kb.models import on_this_dialect  # (importing kb.models registers the tables on SQLModel.metadata)
 
 connection = context.config.attributes["connection"]
 context.configure(
@@ -10,6 +10,7 @@ context.configure(
     target_metadata=SQLModel.metadata,
     render_as_batch=connection.dialect.name == "sqlite",   # SQLite alters tables by copy
     compare_type=True,
+    include_object=on_this_dialect(connection.dialect.name),   # an index only one store has
 )
 with context.begin_transaction():
     context.run_migrations()
