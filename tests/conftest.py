@@ -16,7 +16,14 @@ PG_URL = os.environ.get("KB_TEST_DATABASE_URL")
 BACKENDS = ["sqlite"] + (["postgres"] if PG_URL else [])
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="fuzz tests run 10,000+ cases each (KB_FUZZ_EXAMPLES, unless set)")
+
+
 def pytest_configure(config):
+    if config.getoption("--long"):
+        os.environ.setdefault("KB_FUZZ_EXAMPLES", "10000")
     try:
         import torch
         torch.set_num_threads(1)     # two threads collapse when another process holds a core
