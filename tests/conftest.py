@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from contextlib import contextmanager
 
 import pytest
 from sqlalchemy import text
@@ -31,11 +32,11 @@ def pytest_configure(config):
         pass
 
 
-@pytest.fixture(params=BACKENDS)
-def database_url(request, tmp_path):
-    """A fresh, empty database: a new SQLite file, or a new Postgres schema dropped afterwards."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'kb.sqlite'}"
+@contextmanager
+def database(backend: str, folder):
+    """A fresh, empty database URL: a new SQLite file, or a new Postgres schema dropped afterwards."""
+    if backend == "sqlite":
+        yield f"sqlite:///{folder / 'kb.sqlite'}"
         return
     from sqlalchemy import create_engine
     schema = "t_" + uuid.uuid4().hex[:12]
@@ -44,10 +45,18 @@ def database_url(request, tmp_path):
     with admin.begin() as conn:
         conn.execute(text(f'create schema "{schema}"'))
     sep = "&" if "?" in PG_URL else "?"
-    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
-    with admin.begin() as conn:
-        conn.execute(text(f'drop schema "{schema}" cascade'))
-    admin.dispose()
+    try:
+        yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'drop schema "{schema}" cascade'))
+        admin.dispose()
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request, tmp_path):
+    with database(request.param, tmp_path) as url:
+        yield url
 
 
 @pytest.fixture
