@@ -29,8 +29,21 @@ class NotFound(KBError):
     """No record with that id."""
 
 
-class IndexBusy(KBError):
+class IndexUnavailable(KBError):
+    """The vector index cannot be used now. SQL is unaffected: what waits to be indexed stays queued."""
+
+
+class IndexBusy(IndexUnavailable):
     """The embedded vector index is held by another process (usually `kb serve`)."""
+
+
+class IndexDamaged(IndexUnavailable):
+    """The embedded vector index cannot be read (garbage, truncated or missing files): `kb reindex`
+    rebuilds it from SQL, the source of truth."""
+
+
+class ReadOnlyStore(KBError):
+    """A write asked of a knowledge base that can only be read (a shared, read-only KB_HOME)."""
 
 
 class UnknownFormat(KBError):

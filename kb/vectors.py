@@ -15,21 +15,35 @@ Two engines behind one small protocol:
 
 Point ids in Qdrant are uuid5 of the string id ("run:abc"); the string id travels in the
 payload under `point_id`, so a hit names its record without a lookup table.
+
+The embedded folder is one process's alone while open (a lock file beside it, `kb.lock`). A
+process that cannot open it (another holds it, or the folder is read-only) searches a private
+copy instead (`open_index_copy`): copying and loading 100k points takes ~0.1-0.5 s, where
+waiting for the holder could take the whole of `kb serve`'s life (benchmarks/index_readers.py).
+Files that cannot be read (garbage, truncated, a piece missing) raise IndexDamaged; the index
+is derived from SQL, so `open_index(..., rebuild=True)` (what `kb reindex` does) starts afresh.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
+import os
 import shutil
+import sys
+import tempfile
+import threading
 import uuid
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from kb.errors import IndexBusy, KBError
+from kb.errors import IndexBusy, IndexDamaged, KBError, ReadOnlyStore
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +53,7 @@ INDEXED_FIELDS = ("kind", "project", "status", "ref_id")      # what retrieval f
 ID_NAMESPACE = uuid.UUID("5b0f3c1e-8a7d-4c52-9a51-6e0b1f2d7c43")   # fixed forever: ids must not move
 SCROLL_PAGE = 2048
 BATCH = 512
+COPY_TRIES = 3          # copies of a folder being written before searching the last one anyway
 
 
 @dataclass
@@ -68,14 +83,40 @@ def qdrant_id(point_id: str) -> str:
     return str(uuid.uuid5(ID_NAMESPACE, point_id))
 
 
-def open_index(settings, dim: int) -> VectorIndex:
-    """The server when `qdrant_url` is set, else the embedded shard; creates the collection if missing."""
+def open_index(settings, dim: int, *, rebuild: bool = False) -> VectorIndex:
+    """The server when `qdrant_url` is set, else the embedded shard; creates the collection if missing.
+    `rebuild` starts empty whatever was there (damaged files included)."""
     if settings.qdrant_url:
-        from qdrant_client import QdrantClient
-        client = QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
-        return ClientIndex(client, settings.collection, dim, model=settings.embedding_model)
+        index = _client_index(settings, dim)
+        if rebuild:
+            index.delete(list(index.fingerprints()))
+        return index
     return EdgeIndex.open(settings.qdrant_path / settings.collection, dim,
-                          model=settings.embedding_model, threads=settings.threads)
+                          model=settings.embedding_model, threads=settings.threads, rebuild=rebuild)
+
+
+def open_index_copy(settings, dim: int) -> VectorIndex:
+    """An index to search when `open_index` cannot be had: the embedded folder is held by another
+    process or read-only. A server needs no copy."""
+    if settings.qdrant_url:
+        return _client_index(settings, dim)
+    return EdgeIndex.open_copy(settings.qdrant_path / settings.collection, dim, model=settings.embedding_model)
+
+
+def writable(settings) -> bool:
+    """Whether this process may write the embedded index (a server decides for itself)."""
+    if settings.qdrant_url:
+        return True
+    path = settings.qdrant_path
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return os.access(path, os.W_OK)
+
+
+def _client_index(settings, dim: int) -> "ClientIndex":
+    from qdrant_client import QdrantClient
+    client = QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
+    return ClientIndex(client, settings.collection, dim, model=settings.embedding_model)
 
 
 def _fingerprints(scroll) -> dict[str, str]:
@@ -111,96 +152,268 @@ def _hit(point_id: str | None, score: float, payload: dict | None) -> Hit:
 # ---- embedded: qdrant-edge ----------------------------------------------------------------
 
 class EdgeIndex:
-    """One qdrant-edge shard in a folder. The shard's WAL lock makes it one process's alone."""
+    """One qdrant-edge shard in a folder, held by this process (or a private copy of one)."""
 
-    def __init__(self, shard, path: Path):
+    def __init__(self, shard, path: Path, *, lock=None, scratch: Path | None = None):
         self.shard, self.path = shard, path
+        self._lock = lock            # the open lock file: the folder is ours while it is held
+        self._scratch = scratch      # a copy's own temp folder, removed on close
 
     @classmethod
-    def open(cls, path: Path, dim: int, *, model: str = "", threads: int = 1) -> "EdgeIndex":
+    def open(cls, path: Path, dim: int, *, model: str = "", threads: int = 1,
+             rebuild: bool = False) -> "EdgeIndex":
         import qdrant_edge as qe
 
         path = Path(path)
-        meta_path = path.with_name(path.name + ".json")
         want = {"model": model, "dim": dim}
-        vectors = qe.EdgeVectorParams(size=dim, distance=qe.Distance.Cosine)
-        if (path / "edge_config.json").exists():
-            have = json.loads(meta_path.read_text()) if meta_path.exists() else want
-            # same vectors: load with our config (thread count may have changed); else load bare,
-            # which still takes the lock, so a busy index is reported before anything is touched
-            config = qe.EdgeConfig(vectors=vectors, max_search_threads=threads) if have == want else None
-            shard = _edge_call(lambda: qe.EdgeShard.load(str(path), config), path)
-            if have == want:
-                index = cls(shard, path)
-                index._ensure_payload_indexes()
-                meta_path.write_text(json.dumps(want))
-                return index
-            # vectors from another model are meaningless; the index is derived, so rebuild it
-            # (the indexer's reconcile sees an empty index and re-queues everything from SQL)
-            log.warning("vector index at %s was built with %s; rebuilding for %s", path, have, want)
+        config = qe.EdgeConfig(vectors=qe.EdgeVectorParams(size=dim, distance=qe.Distance.Cosine),
+                               max_search_threads=threads)
+        lock = _take_lock(path)
+        try:
+            if rebuild:
+                # whatever is there (damaged, stale, another model's) goes: SQL refills it
+                _remove(path)
+            elif (path / "edge_config.json").exists():
+                have = _read_meta(path, default=want)
+                if have == want:
+                    shard = _edge_call(lambda: qe.EdgeShard.load(str(path), config), path, opening=True)
+                    return cls(shard, path, lock=lock)._ready(want)
+                # vectors from another model are meaningless; the index is derived, so rebuild it
+                # (the indexer's reconcile sees an empty index and re-queues everything from SQL)
+                log.warning("vector index at %s was built with %s; rebuilding for %s", path, have, want)
+                _remove(path)
+            # a folder left without its config (a piece deleted) makes create fail: IndexDamaged
+            shard = _edge_call(lambda: qe.EdgeShard.create(str(path), config), path, opening=True)
+            return cls(shard, path, lock=lock)._ready(want)
+        except BaseException:
+            lock.close()
+            raise
+
+    @classmethod
+    def open_copy(cls, path: Path, dim: int, *, model: str = "") -> "EdgeIndex":
+        """A private copy to search, for a process that cannot hold the folder. It holds what the
+        holder had flushed when it was taken (the holder flushes after every write); a folder that
+        changed during the copy is copied again, up to COPY_TRIES times."""
+        import qdrant_edge as qe
+
+        path = Path(path)
+        if not (path / "edge_config.json").exists():
+            raise IndexDamaged(f"no vector index at {path} to search; `kb reindex` (where the knowledge "
+                               "base is writable) builds it from SQL")
+        have, want = _read_meta(path, default={"model": model, "dim": dim}), {"model": model, "dim": dim}
+        if have != want:
+            raise IndexDamaged(f"vector index at {path} holds {have['model']} vectors, not {model}; "
+                               "`kb reindex` (where the knowledge base is writable) rebuilds it")
+        for attempt in range(1, COPY_TRIES + 1):
+            scratch = Path(tempfile.mkdtemp(prefix="kb-index-"))
+            try:
+                unchanged = _copy_shard(path, scratch / path.name)
+                shard = _edge_call(lambda: qe.EdgeShard.load(str(scratch / path.name)), path, opening=True)
+            except BaseException as exc:
+                shutil.rmtree(scratch, ignore_errors=True)
+                if attempt < COPY_TRIES and isinstance(exc, (IndexDamaged, OSError)):
+                    continue             # a torn copy of a folder being written: take another
+                raise
+            if unchanged or attempt == COPY_TRIES:
+                return cls(shard, path, scratch=scratch)
             shard.close()
-            shutil.rmtree(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shard = _edge_call(lambda: qe.EdgeShard.create(
-            str(path), qe.EdgeConfig(vectors=vectors, max_search_threads=threads)), path)
-        index = cls(shard, path)
-        index._ensure_payload_indexes()
-        meta_path.write_text(json.dumps(want))
-        return index
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise AssertionError("unreachable")
+
+    def _ready(self, want: dict) -> "EdgeIndex":
+        try:
+            self._ensure_payload_indexes()
+            _meta_path(self.path).write_text(json.dumps(want))
+        except BaseException:
+            self.shard.close()        # the caller releases the lock
+            raise
+        return self
 
     def _ensure_payload_indexes(self) -> None:
         import qdrant_edge as qe
-        have = set(self.shard.info().payload_schema)
+        have = set(_edge_call(lambda: self.shard.info().payload_schema, self.path))
         for name in INDEXED_FIELDS:
             if name not in have:
-                self.shard.update(qe.UpdateOperation.create_field_index(name, qe.PayloadSchemaType.Keyword))
+                _edge_call(lambda: self.shard.update(
+                    qe.UpdateOperation.create_field_index(name, qe.PayloadSchemaType.Keyword)), self.path)
 
     def upsert(self, points: list[VectorPoint]) -> None:
         import qdrant_edge as qe
+        self._check_writable()
         for chunk in _batches(points):
-            self.shard.update(qe.UpdateOperation.upsert_points(
-                [qe.Point(qdrant_id(p.id), _as_list(p.vector), _payload(p)) for p in chunk]))
-        # the WAL already makes this durable; flushing keeps the replay after a crash short
-        self.shard.flush()
+            _edge_call(lambda: self.shard.update(qe.UpdateOperation.upsert_points(
+                [qe.Point(qdrant_id(p.id), _as_list(p.vector), _payload(p)) for p in chunk])), self.path)
+        # the WAL already makes this durable; flushing keeps the replay after a crash short, and
+        # lets a reader's copy (open_copy, which leaves the WAL out) see the new points
+        _edge_call(self.shard.flush, self.path)
 
     def delete(self, ids: list[str]) -> None:
         import qdrant_edge as qe
+        self._check_writable()
         for chunk in _batches(list(ids)):
-            self.shard.update(qe.UpdateOperation.delete_points([qdrant_id(i) for i in chunk]))
-        self.shard.flush()
+            _edge_call(lambda: self.shard.update(qe.UpdateOperation.delete_points([qdrant_id(i) for i in chunk])),
+                       self.path)
+        _edge_call(self.shard.flush, self.path)
+
+    def _check_writable(self) -> None:
+        if self._scratch is not None:
+            raise ReadOnlyStore(f"this is a read-only copy of the vector index at {self.path}")
 
     def search(self, vector, limit: int = 10, where: dict | None = None) -> list[Hit]:
         import qdrant_edge as qe
         request = qe.QueryRequest(limit=limit, query=qe.Query.Nearest(_as_list(vector)),
                                   filter=_edge_filter(where), with_payload=True,
                                   params=qe.SearchParams(exact=True))   # exact: recall 1.0, still fast here
-        return [_hit(None, p.score, p.payload) for p in self.shard.query(request)]
+        return [_hit(None, p.score, p.payload) for p in _edge_call(lambda: self.shard.query(request), self.path)]
 
     def fingerprints(self) -> dict[str, str]:
         import qdrant_edge as qe
         fields = qe.PayloadSelector.Include([ID_FIELD, HASH_FIELD])
-        return _fingerprints(lambda offset: self.shard.scroll(
-            qe.ScrollRequest(offset=offset, limit=SCROLL_PAGE, with_payload=fields)))
+        return _fingerprints(lambda offset: _edge_call(lambda: self.shard.scroll(
+            qe.ScrollRequest(offset=offset, limit=SCROLL_PAGE, with_payload=fields)), self.path))
 
     def count(self) -> int:
         import qdrant_edge as qe
-        return self.shard.count(qe.CountRequest(exact=True))
+        return _edge_call(lambda: self.shard.count(qe.CountRequest(exact=True)), self.path)
 
     def close(self) -> None:
-        if self.shard is not None:
-            self.shard.close()
-            self.shard = None
+        try:
+            if self.shard is not None:
+                self.shard.close()
+                self.shard = None
+        finally:
+            if self._lock is not None:
+                self._lock.close()          # closing the file releases its flock
+                self._lock = None
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
 
 
-def _edge_call(fn, path: Path):
-    """qdrant-edge raises a bare Exception; a held WAL lock ("WouldBlock") means another process."""
+def _busy(path: Path) -> IndexBusy:
+    return IndexBusy(f"vector index {path} is open in another process (kb serve?); "
+                     "what was written waits in SQL and is indexed by that process")
+
+
+def _take_lock(path: Path):
+    """Hold `<name>.lock` beside the folder while it is open. The engine's own lock lives in its WAL
+    folder, which a damaged index may lack; this one lets a rebuild remove the folder knowing that
+    no other process has it open."""
     try:
-        return fn()
-    except Exception as e:   # noqa: BLE001 - the binding has no error classes; re-raised unless it is the lock
-        if "WouldBlock" in str(e):
-            raise IndexBusy(f"vector index {path} is open in another process (kb serve?); "
-                            "what was written waits in SQL and is indexed by that process") from e
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path.with_name(path.name + ".lock"), "a")
+    except PermissionError as exc:
+        raise ReadOnlyStore(f"vector index at {path} is read-only ({exc.strerror})") from exc
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise ReadOnlyStore(f"vector index at {path} is on a read-only file system") from exc
         raise
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise _busy(path) from None
+    return fh
+
+
+def _remove(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+    _meta_path(path).unlink(missing_ok=True)
+
+
+def _meta_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _read_meta(path: Path, default: dict) -> dict:
+    """Which model and dimension the vectors are from (a sidecar we write; qdrant-edge keeps no metadata)."""
+    meta = _meta_path(path)
+    if not meta.exists():
+        return default
+    try:
+        have = json.loads(meta.read_bytes())
+        return {"model": have["model"], "dim": have["dim"]}
+    except (ValueError, TypeError, KeyError) as exc:
+        raise _damaged(path, f"{meta.name}: {exc}") from exc
+
+
+def _damaged(path: Path, reason: str) -> IndexDamaged:
+    return IndexDamaged(f"vector index at {path} is unusable ({reason}); the runs are safe in SQL, "
+                        "and `kb reindex` rebuilds the index from them")
+
+
+def _edge_call(fn, path: Path, *, opening: bool = False):
+    """Run one qdrant-edge call, its failures as domain errors: the binding raises a bare Exception
+    (a held WAL lock says "WouldBlock"), and on some damaged files a Rust panic, which pyo3 raises
+    as a BaseException after printing it (and a backtrace) straight to fd 2. Loading is where
+    damaged files panic, so only opening pays for keeping fd 2 clean."""
+    try:
+        if not opening:
+            return fn()
+        with _native_stderr_to_log():
+            return fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:     # noqa: BLE001 - a PanicException is no Exception
+        text = str(exc).strip()
+        if "WouldBlock" in text:
+            raise _busy(path) from exc
+        raise _damaged(path, text.splitlines()[0] if text else type(exc).__name__) from exc
+
+
+_STDERR_LOCK = threading.Lock()
+
+
+@contextmanager
+def _native_stderr_to_log():
+    """What native code writes to fd 2 goes to the log (shown with --verbose), so an error stays
+    the one line the CLI prints; Python's own sys.stderr is untouched when nothing was written."""
+    with _STDERR_LOCK, tempfile.TemporaryFile() as sink:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            said = sink.read().decode("utf-8", "replace").strip()
+            if said:
+                log.info("qdrant-edge: %s", said)
+
+
+def _copy_shard(src: Path, dst: Path) -> bool:
+    """Copy a shard's files, leaving out its WAL (its lock, and 64 MB of preallocated segments;
+    every write is flushed to the segments) and the temp files of writes in flight. True when
+    nothing changed while copying."""
+    before = _file_states(src)
+    for rel in before:
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            shutil.copyfile(src / rel, target)
+        except FileNotFoundError:
+            pass                          # replaced while we copied: `after` differs, so we retry
+    return _file_states(src) == before
+
+
+def _file_states(root: Path) -> dict[str, tuple[int, int]]:
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        if Path(folder) == root and "wal" in dirs:
+            dirs.remove("wal")
+        for name in files:
+            if name.startswith(".atomicwrite"):
+                continue
+            p = Path(folder) / name
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
 
 
 def _edge_filter(where: dict | None):
