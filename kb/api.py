@@ -15,8 +15,8 @@ from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
-from kb.db import WriteBatch, make_engine, migrate
-from kb.errors import IndexBusy, InvalidRecord, NotFound
+from kb.db import WriteBatch, is_read_only, make_engine, migrate
+from kb.errors import IndexBusy, IndexDamaged, InvalidRecord, NotFound, ReadOnlyStore
 from kb.models import IndexPending, Note, Run
 from kb.records import NoteRecord, Parsed, parse_run
 from kb.models import RunPublic
@@ -50,6 +50,7 @@ class KnowledgeBase:
         self.settings = settings
         self.engine = engine
         self._index = None
+        self._index_copy = None       # a read-only copy to search, when the index cannot be had
         self._embedder = None
 
     @classmethod
@@ -63,6 +64,9 @@ class KnowledgeBase:
 
     def close(self) -> None:
         self.release_index()
+        if self._index_copy is not None:
+            self._index_copy.close()
+            self._index_copy = None
         self.engine.dispose()
 
     def __enter__(self):
@@ -234,15 +238,40 @@ class KnowledgeBase:
             self.sync_index()
         return self._index
 
-    def _open_index(self):
-        if self._index is None:
-            from kb.embed import embedding_dim
+    def _open_index(self, rebuild: bool = False):
+        if self._index is None or rebuild:
             from kb.vectors import open_index
-            # the dimension comes from the model's config, so a busy index is found out before
-            # paying for a model load
-            self._index = open_index(self.settings, embedding_dim(self.settings.embedding_model,
-                                                                 self.settings.threads))
+            self.release_index()
+            self._index = open_index(self.settings, self._embedding_dim(), rebuild=rebuild)
         return self._index
+
+    def _embedding_dim(self) -> int:
+        # from the model's config, so a busy index is found out before paying for a model load
+        from kb.embed import embedding_dim
+        return embedding_dim(self.settings.embedding_model, self.settings.threads)
+
+    @property
+    def writable(self) -> bool:
+        """False for a knowledge base this process may only read (a shared, read-only KB_HOME)."""
+        from kb.vectors import writable
+        return not is_read_only(self.engine) and writable(self.settings)
+
+    @property
+    def search_index(self):
+        """The index to search: this process's own, synced with SQL first; or, when another process
+        holds it or the knowledge base is read-only, a private copy of what has been indexed (so
+        readers never fail because a writer is indexing). IndexDamaged when its files are broken."""
+        if self._index is None and self._index_copy is None and self.writable:
+            try:
+                self.sync_index()
+            except IndexBusy:
+                log.info("vector index held by another process; searching a copy of it")
+        if self._index is not None:
+            return self._index
+        if self._index_copy is None:
+            from kb.vectors import open_index_copy
+            self._index_copy = open_index_copy(self.settings, self._embedding_dim())
+        return self._index_copy
 
     def release_index(self) -> None:
         """Let another process (a server, a watcher) take the embedded index."""
@@ -256,20 +285,28 @@ class KnowledgeBase:
         return indexer.sync(self.engine, self._open_index(), _LazyEmbedder(self), progress=progress)
 
     def try_sync_index(self, progress=None) -> bool:
-        """Sync unless another process holds the embedded index (then it indexes what is
-        pending, since writers queue in SQL): the one place that decision is made."""
+        """Sync unless the index cannot be had: another process holds it (then it indexes what is
+        pending, since writers queue in SQL) or its files are damaged (what is pending waits for
+        `kb reindex`). The one place that decision is made."""
+        if not self.writable:
+            return False
         try:
             self.sync_index(progress=progress)
         except IndexBusy:
             log.info("vector index held by another process; it will index what is pending")
             return False
+        except IndexDamaged as exc:
+            log.warning("%s", exc)
+            return False
         return True
 
     def reindex(self, progress=None):
-        """Rebuild the vector index from SQL, from scratch."""
+        """Rebuild the vector index from SQL, from scratch, whatever state its files are in."""
         from kb import indexer
-        index = self._open_index()
-        index.delete(list(index.fingerprints()))
+        if not self.writable:
+            raise ReadOnlyStore(f"knowledge base at {self.settings.home} is read-only; "
+                                "`kb reindex` needs to write its vector index")
+        index = self._open_index(rebuild=True)
         indexer.queue_everything(self.engine)
         return indexer.sync(self.engine, index, _LazyEmbedder(self), reconcile=False, progress=progress)
 
@@ -287,8 +324,9 @@ class KnowledgeBase:
             if not ids:
                 return []
             filters |= {"kind": "run", "ref_id": ids}
+        index = self.search_index          # before the model load: a damaged index fails fast
         vector = self.embedder.encode([text])[0]
-        return self.index.search(vector, limit=limit, where=filters or None)
+        return index.search(vector, limit=limit, where=filters or None)
 
 
     # ---- questions ----------------------------------------------------------------------------

@@ -1,15 +1,23 @@
-"""The SQL engine (one per process), sessions, and schema migrations run on open."""
+"""The SQL engine (one per process), sessions, and schema migrations run on open.
+
+A SQLite file this process may not write (a shared knowledge base on a read-only mount, or
+files of another user) is opened read-only: reads work, a write raises ReadOnlyStore.
+"""
 from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import quote, unquote
 
-from sqlalchemy import event, inspect, text
+from sqlalchemy import event, inspect, make_url, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, create_engine
+
+from kb.errors import ReadOnlyStore
 
 log = logging.getLogger(__name__)
 
@@ -19,12 +27,24 @@ HEAD = "0006"   # newest revision in migrations/versions; checked without import
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
+        path = _sqlite_file(url)
+        read_only = path is not None and not _writable(path)
+        if read_only:
+            url = _read_only_url(path)
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "handle_error")
+        def _sqlite_read_only(context):
+            if "readonly database" in str(context.original_exception):
+                raise ReadOnlyStore(f"knowledge base at {path or url} is read-only") from context.original_exception
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")       # readers never block the writer
+            if read_only:
+                cur.execute("PRAGMA query_only=ON")
+            else:
+                cur.execute("PRAGMA journal_mode=WAL")   # readers never block the writer
             cur.execute("PRAGMA synchronous=NORMAL")     # durable at checkpoints; WAL keeps it safe
             cur.execute("PRAGMA foreign_keys=ON")
             # a savepoint keeps the original of each page it changes that the transaction had
@@ -47,6 +67,40 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+def is_read_only(engine: Engine) -> bool:
+    return engine.dialect.name == "sqlite" and engine.url.query.get("mode") == "ro"
+
+
+def _sqlite_file(url: str) -> Path | None:
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None                  # in memory, or a URI whose options the caller chose
+    return Path(database)
+
+
+def _writable(path: Path) -> bool:
+    """Whether SQLite can write here: the file, and its folder for the -wal and -shm files. A file
+    not made yet is left to fail (or be created) as usual."""
+    if not path.exists():
+        return True
+    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+
+
+def _read_only_url(path: Path) -> str:
+    """A read-only WAL database needs its -shm file: SQLite cannot make one in a folder it may not
+    write. With no -wal (a clean close checkpoints and removes it) every change is in the main
+    file, and `immutable=1` reads it without -shm or locks. With a -wal, a -shm beside it (a
+    writer is, or was, running) lets `mode=ro` read the changes the -wal holds."""
+    wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
+    pending = wal.exists() and wal.stat().st_size > 0
+    if pending and not shm.exists():
+        raise ReadOnlyStore(f"knowledge base at {path} is read-only, and its latest changes are in "
+                            f"{wal.name} with no {shm.name} to read them by: open it once where it is "
+                            "writable (any kb command does), or copy the folder somewhere writable")
+    options = "mode=ro" if pending else "mode=ro&immutable=1"
+    return f"sqlite:///file:{quote(str(path.resolve()))}?{options}&uri=true"
+
+
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as conn:
         if not inspect(conn).has_table("alembic_version"):
@@ -56,8 +110,13 @@ def current_revision(engine: Engine) -> str | None:
 
 def migrate(engine: Engine, lock_path: Path | None = None) -> None:
     """Upgrade the schema to HEAD. Cheap when already there: alembic is only imported to upgrade."""
-    if current_revision(engine) == HEAD:
+    revision = current_revision(engine)
+    if revision == HEAD:
         return
+    if is_read_only(engine):
+        where = unquote(engine.url.database.removeprefix("file:"))
+        raise ReadOnlyStore(f"knowledge base at {where} is read-only and its schema is at "
+                            f"{revision or 'nothing'}, not {HEAD}: run any kb command on it once where it is writable")
     with _migration_lock(engine, lock_path):
         if current_revision(engine) == HEAD:      # another process did it while we waited
             return
