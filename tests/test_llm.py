@@ -1,4 +1,4 @@
-"""The LLM backends (agents/llm.py) on real models: SmolLM2's GGUF run in-process by llama.cpp,
+"""The LLM backends (agents/llm.py, agents/llamacpp.py) on real models: SmolLM2's GGUF run in-process by llama.cpp,
 the same GGUF served over HTTP by llama.cpp's own OpenAI-compatible server for OpenAILike, and a
 tiny Hugging Face model written here by transformers for HuggingFaceLLM.
 
@@ -16,10 +16,8 @@ import pytest
 from llama_index.core.callbacks import CallbackManager, EventPayload, LlamaDebugHandler
 from llama_index.core.llms import ChatMessage
 
-from agents.llm import (
-    MAX_CONTEXT, EmbeddedLLM, complete_json, default_gguf, get_llm, gguf_context_length,
-    schema_problem, _parse_valid,
-)
+from agents.llamacpp import MAX_CONTEXT, EmbeddedLLM, default_gguf, gguf_context_length
+from agents.llm import _parse_valid, complete_json, get_llm, schema_problem
 from kb.errors import LLMError, LLMOutputInvalid
 from kb.settings import Settings
 
@@ -131,10 +129,10 @@ def test_llama_index_callbacks_see_each_call(embedded):
 
 
 def test_nothing_loads_at_import_or_in_get_llm():
-    code = ("import sys, agents.llm as m; from kb.settings import Settings; "
-            "m.get_llm(Settings(llm_backend='llamacpp', llm_model=None)); "
+    code = ("import sys, agents.llm, agents.llamacpp; from kb.settings import Settings; "
+            "agents.llm.get_llm(Settings(llm_backend='llamacpp', llm_model=None)); "
             "print(json.dumps([n in sys.modules for n in ('xllamacpp', 'torch', 'openai', 'transformers')]"
-            " + [len(m._SERVERS)]))")
+            " + [len(agents.llamacpp._SERVERS)]))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
