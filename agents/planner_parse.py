@@ -181,27 +181,35 @@ def constraints(its: list[Item], grouping: bool) -> list[Constraint]:
             x.used = True
     out += _outcomes(its)
     for i, it in enumerate(its):                  # project P, P project, tagged T, linked runs
-        if it.kind == "project_kw" and not it.used:
-            j = _next(its, i + 1)
-            if j < len(its) and its[j].kind in ("word", "project") and not its[j].used:
-                name = its[j].value[1] if its[j].kind == "project" else its[j].text
-            elif i and its[i - 1].kind in ("word", "project") and not its[i - 1].used:
-                j = i - 1
-                name = its[j].value[1] if its[j].kind == "project" else its[j].text
-            else:
+        if it.kind in ("project_kw", "tag_kw") and not it.used:
+            # "project X" or "the X project"; a tag only after: "tagged X"
+            places = [_next(its, i + 1)] + ([i - 1] if it.kind == "project_kw" else [])
+            j = next((j for j in places if 0 <= j < len(its) and _name(its[j]) is not None), None)
+            if j is None:
                 continue
-            out.append(Constraint("project", "in", (name,), f"in project {name}"))
+            name = _name(its[j])
+            if it.kind == "project_kw":
+                out.append(Constraint("project", "in", (name,), f"in project {name}"))
+            else:
+                out.append(Constraint("tag", "in", (name,), f"tagged {name}"))
             it.used = its[j].used = True
-        elif it.kind == "tag_kw" and not it.used:
-            j = _next(its, i + 1)
-            if j < len(its) and its[j].kind in ("word", "project", "run", "qty", "outcome") and not its[j].used:
-                out.append(Constraint("tag", "in", (its[j].text,), f"tagged {its[j].text}"))
-                it.used = its[j].used = True
     for it in its:
         if it.kind == "project" and not it.used:
             out.append(Constraint("project", "in", (it.value[1],), f"in project {it.value[1]}"))
             it.used = True
     return out
+
+
+DETERMINERS = {"the", "a", "an", "this", "that", "these", "those", "our", "my", "each", "every", "all", "any"}
+
+
+def _name(it: Item) -> str | None:
+    """The project or tag an item may name ("sweep" is a filler word, and a project too)."""
+    if it.used or it.text.lower() in DETERMINERS:
+        return None
+    if it.kind == "project":
+        return it.value[1]
+    return it.text if it.kind in ("word", "filler", "run", "qty", "outcome") else None
 
 
 def _near(key: str, vals: list[Item]) -> Constraint:

@@ -129,7 +129,7 @@ _phrases("filler", None, *"""the a an model models for in on among amongst from 
     run runs experiment experiments trained train training trainings did do does done had has have having
     are be been being gave give gives giving got get gets getting reach reached reaches achieve achieved
     achieves produce produced produces yield yielded yields lead led leads showed shows end ended ends
-    final finally overall total value values result results there that those these it its ever so far
+    final finally overall total value values result results there this that those these it its ever so far
     scale scales size sized sizes used use uses using tried try tries tested sweep swept sweeps ran
     launched one ones about how when where then now also only just than as up out seen reported logged
     measured recorded their they them both same""".split(),
