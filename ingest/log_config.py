@@ -30,7 +30,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from kb.records import json_safe
+from kb.records import MAX_DEPTH, json_safe
 
 NAMESPACE = re.compile(r"\b([A-Z]\w*)\((\s*[A-Za-z_]\w*\s*=.*)\)\s*$")
 CONFIG_NAMES = re.compile(r"^(?:Namespace|Hyper[Pp]aram\w*|H[Pp]arams|\w*(?:Config|Args|Arguments|Settings))$")
@@ -46,6 +46,7 @@ LAUNCHERS = {"torchrun", "deepspeed", "accelerate", "srun", "mpirun", "horovodru
 EXPR_CHARS = 200             # longer than this is not "simple arithmetic"
 INT_BITS = 256               # an integer result past this is not a hyperparameter
 TEXT_CHARS = 300             # an unevaluated expression kept as text is cut here
+NEST_DEPTH = MAX_DEPTH - 2   # `key:` levels a YAML-style dump opens; the record holds config.a.b... this deep
 YAML_WORDS = {"null": None, "~": None, "true": True, "false": False}    # OmegaConf.to_yaml, yaml.dump
 
 
@@ -131,7 +132,8 @@ def repr_config(text: str, any_name: bool = True) -> dict | None:
     """`Namespace(a=1, b='x')`, `Hyperparameters(...)`: read as a call so nested commas and quotes are safe.
 
     With `any_name` (before the first step) any class name counts; else only names that say config."""
-    m = NAMESPACE.search(text) if "(" in text and "=" in text else None
+    # the regex ends in `.*\)$`: a line that cannot end there would cost a scan per `Word(` in it
+    m = NAMESPACE.search(text) if "=" in text and text.rstrip().endswith(")") else None
     if not m or (not any_name and not CONFIG_NAMES.match(m.group(1))):
         return None
     if text[:m.start(1)].endswith("."):
@@ -160,7 +162,7 @@ def json_block(lines: list[str], i: int) -> tuple[dict | None, int]:
 def literal_dict(body: str) -> dict | None:
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         try:
             data = ast.literal_eval(body)       # Python dict reprs: {'lr': 0.1}
         except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
@@ -298,6 +300,8 @@ def _nested(config: dict, nest: list[tuple[int, dict, str]], indent: int, key: s
     """One YAML-style line: `key: value` into the dict its indentation puts it in, `key:` opens one."""
     while nest and nest[-1][0] >= indent:
         nest.pop()
+    if len(nest) >= NEST_DEPTH:
+        return                                   # deeper than a record holds: not a settings dump
     parent = nest[-1][1][nest[-1][2]] if nest else config
     if not isinstance(parent, dict):
         return                                   # a `key:` under a list item: not read

@@ -40,15 +40,16 @@ from ingest.log_code import find_code, hyperparameters
 from ingest.log_config import STEP_KEYS, literal_dict, read_config
 from kb.errors import InvalidRecord
 from kb.failures import FATAL, classify, trim as _trim
-from kb.records import Item, Parsed, json_safe, parse_run
+from kb.records import INT64, Item, Parsed, RunRecord, json_safe, parse_run
 
 HEAD_BYTES = 256 * 1024      # detection reads this much of a .txt, and 8x more of a .log/.out/.err:
 NAMED_HEAD_BYTES = 2 * 1024 * 1024   # Megatron's argument dump and NCCL's INFO lines come first
 TAIL_LINES = 50
+UNREAD_SHOWN = 20           # printed settings left out of a record, named in meta.unread
 SOURCE_CHARS = 1 << 20       # a printed script is kept up to this much; its hash covers all of it
 
 # a nan followed by "word:" is part of a name (Megatron's "number of nan iterations: 0")
-NUM = r"[-+]?(?:nan|inf(?:inity)?)\b(?!\s+[a-z]+\s*:)|[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+NUM = r"[-+]?(?:nan|inf(?:inity)?)\b(?!\s+[a-z]+\s*:)|[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 RANK = re.compile(r"^\s*(?:\[(?:rank|default)?(\d+)\]:|(\d+):\s|\[\d+,(\d+)\]<std(?:out|err)>:)\s?")
 LEAD = re.compile(r"""^(?:\s*(?:
       \[[^\]]{0,64}\]                                            # [2024-05-01 10:00:00], [INFO]
@@ -60,14 +61,16 @@ LEAD = re.compile(r"""^(?:\s*(?:
 # a step printed as a float by Lightning's progress bar (`global_step=794.0`, `global_step=9e+3`) is still a step
 STEP = re.compile(r"\b(global[_ ]step|iteration|iter|step)\b\s*[:=#]?\s*\[?\s*(\d+(?:\.0+)?(?:[eE]\+?\d+)?)"
                   r"(?:\s*/\s*(\d+))?\]?", re.I)
-PAIR = re.compile(rf"(?P<key>[A-Za-z_][\w./\-]*(?:\s[A-Za-z_][\w./\-]*){{0,4}}?)(?:\s*\((?P<paren>[^)]*)\))?"
-                  rf"\s*(?:[:=]\s*|\s+)(?P<val>{NUM})(?P<unit>%|\s?ms\b|s\b|tok/s|it/s)?", re.I)
+# a key starts a word: tried from inside one, a long word costs time quadratic in its length
+PAIR = re.compile(rf"(?<![\w./\-])(?P<key>[A-Za-z_][\w./\-]*(?:\s[A-Za-z_][\w./\-]*){{0,4}}?)"
+                  rf"(?:\s*\((?P<paren>[^()]{{0,64}})\))?\s*(?:[:=]\s*|\s+)(?P<val>{NUM})"
+                  rf"(?P<unit>%|\s?ms\b|s\b|tok/s|it/s)?", re.I)
 VALUE_FIRST = re.compile(rf"^\(?\s*(?P<val>{NUM})\s*(?P<unit>%|ms|s|tok/s|tokens/s|it/s)\s*"
                          rf"(?P<label>[A-Za-z][\w ]*)?\)?\s*$", re.I)
 MLLOG = re.compile(r":::MLLOG\s+(\{.*\})\s*$")
 # llm.c's main.log: `s:<step>` then `key:value` pairs (llmc/logger.h writes trl, tel, lr, norm, eval;
 # eval is the HellaSwag accuracy)
-MAIN_NUM = r"[-+]?(?:nan|inf(?:inity)?|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?=\s|$)"   # C's printf: nan, -nan
+MAIN_NUM = r"[-+]?(?:nan|inf(?:inity)?|(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)(?=\s|$)"   # C's printf: nan, -nan
 MAIN_LOG = re.compile(rf"^s:(\d+)((?:\s+[A-Za-z_]\w*:{MAIN_NUM})+)\s*$")
 MAIN_LOG_KEYS = {"trl": "train/loss", "tel": "val/loss", "lr": "lr", "norm": "grad_norm", "eval": "hellaswag_acc"}
 # Lightning's ModelCheckpoint: "Epoch 0, global step 9000: 'val_loss' reached 7.04238 (best ...), saving model to '...'"
@@ -124,11 +127,17 @@ def parse_metric_line(text: str) -> tuple[int | None, dict[str, float]] | None:
         return _dict_line(body)
     if body.startswith("s:") and (m := MAIN_LOG.match(body)):
         pairs = re.findall(rf"([A-Za-z_]\w*):({MAIN_NUM})", m.group(2))
-        return int(m.group(1)), {MAIN_LOG_KEYS.get(k) or metric_name(k): float(v) for k, v in pairs}
+        step = step_number(m.group(1))
+        values = {MAIN_LOG_KEYS.get(k) or metric_name(k): float(v) for k, v in pairs}
+        values.pop("", None)
+        return (step, values) if step is not None and values else None
     if "global step" in body and (m := CHECKPOINT.search(body)):
-        return (int(m.group(1)), {metric_name(m.group(2)): float(m.group(3))}) if m.group(3) else None
+        step = step_number(m.group(1))
+        return (step, {metric_name(m.group(2)): float(m.group(3))}) if m.group(3) and step is not None else None
     m = STEP.search(body)
-    step = int(float(m.group(2))) if m else None
+    step = step_number(m.group(2)) if m else None
+    if m and step is None:
+        return None                  # `step 1e999`: no step a store can hold, so not a metric line
     rest = body[:m.start()] + " | " + body[m.end():] if m else body
     # Megatron's "validation loss at iteration N | lm loss value: ..." names its loss "lm loss"
     val_context = bool(re.match(r"(?:validation|evaluation|eval|valid)\b", body, re.I))
@@ -153,6 +162,7 @@ def parse_metric_line(text: str) -> tuple[int | None, dict[str, float]] | None:
             name = ("mfu" if "mfu" in label.lower() else metric_name(label) if label else
                     {"ms": "time_ms", "s": "time_s", "%": "percent"}.get(unit, "tokens_per_sec"))
             values[name] = float(v["val"])
+    values.pop("", None)             # `_ 2.0`: a name made only of separators names nothing
     if not values:
         return None
     if step is None:
@@ -166,12 +176,29 @@ def _dict_line(body: str) -> tuple[int | None, dict[str, float]] | None:
     data = literal_dict(body)
     if data is None:
         return None
-    step = next((data[k] for k in STEP_KEYS if isinstance(data.get(k), int) and not isinstance(data[k], bool)), None)
+    step = next((step_number(data[k]) for k in STEP_KEYS
+                 if isinstance(data.get(k), int) and not isinstance(data[k], bool)), None)
     if step is None:
         return None
-    values = {metric_name(k): float(v) for k, v in data.items()
-              if k not in STEP_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    values = {}
+    for k, v in data.items():
+        if k in STEP_KEYS or not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        try:
+            values[metric_name(str(k))] = float(v)
+        except OverflowError:
+            continue                 # an integer past any float: no curve value
+    values.pop("", None)
     return (step, values) if values else None
+
+
+def step_number(text: str | float) -> int | None:
+    """A printed step as an int, or None when it is no step a store holds (negative, past 64 bits, inf)."""
+    try:
+        step = int(round(float(text))) if not isinstance(text, str) or not text.isdigit() else int(text)
+    except (OverflowError, ValueError):
+        return None
+    return step if 0 <= step <= INT64 else None
 
 
 Events = list[tuple[int, "int | None", dict]]     # (line index, step, {metric: value})
@@ -232,24 +259,36 @@ def _mllog(payload: str, rec: dict, metrics: dict) -> None:
     """One MLPerf event: a metric when its metadata names a step/epoch/sample count, else a setting."""
     try:
         ev = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         return
     if not isinstance(ev, dict) or "key" not in ev:
         return
-    key, value, meta = str(ev["key"]), ev.get("value"), ev.get("metadata") or {}
+    key, value, meta = str(ev["key"]), ev.get("value"), ev.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
     wall = ev["time_ms"] / 1000.0 if _is_number(ev.get("time_ms")) else None
     if key in ("run_start", "run_stop") and wall is not None:
-        at = datetime.fromtimestamp(wall, timezone.utc).replace(tzinfo=None).isoformat()
-        rec["started_at" if key == "run_start" else "ended_at"] = at
+        at = _utc_time(wall)
+        if at is not None:
+            rec["started_at" if key == "run_start" else "ended_at"] = at
         if key == "run_stop" and meta.get("status"):
             rec["meta"]["mlperf_status"] = str(meta["status"])
         return
     step_key = next((k for k in MLLOG_STEP if _is_number(meta.get(k))), None)
     if step_key and isinstance(value, (int, float)) and not isinstance(value, bool):
-        point = [int(round(meta[step_key])), float(value)] + ([wall] if wall is not None else [])
-        metrics.setdefault(metric_name(key), {})[point[0]] = point
+        step, name = step_number(meta[step_key]), metric_name(key)
+        if step is None or not name or (isinstance(value, int) and value.bit_length() > 1000):
+            return                   # no step or name a curve holds, or an integer past any float
+        metrics.setdefault(name, {})[step] = [step, float(value)] + ([wall] if wall is not None else [])
     elif key not in MLLOG_CONTROL and (value is None or isinstance(value, (str, int, float, bool, list))):
         rec["config"][key] = json_safe(value)
+
+
+def _utc_time(seconds: float) -> str | None:
+    """ISO-8601 UTC of a Unix time; None past what a datetime holds (a garbled `time_ms`)."""
+    try:
+        return datetime.fromtimestamp(seconds, timezone.utc).replace(tzinfo=None).isoformat()
+    except (OverflowError, OSError, ValueError):
+        return None
 
 
 def parse_log(text: str, name: str) -> dict:
@@ -349,10 +388,13 @@ class LogIngester:
     def read(self, target: str) -> Iterator[Item]:
         path = Path(target)
         try:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            raw = path.read_bytes()
         except OSError as exc:
             yield rejected(path, f"cannot read: {exc.strerror or exc}")
             return
+        # a log is read whatever bytes it holds: undecodable ones become U+FFFD, and NULs (the
+        # zeros a crashed node leaves at the end of a preallocated file) are no text at all
+        text = raw.decode("utf-8-sig", errors="replace").replace("\x00", "")
         # llm.c writes `<output dir>/main.log`: the folder names the run
         name = path.parent.name if path.name == "main.log" and path.parent.name else path.stem
         data = parse_log(text, name)
@@ -364,8 +406,33 @@ class LogIngester:
             yield rejected(path, why)
             return
         try:
-            record = parse_run(data)
+            record = storable(data)
         except InvalidRecord as exc:
             yield rejected(path, exc.error, field=exc.field)
             return
         yield Parsed(record, "log", str(path.resolve()))
+
+
+def storable(data: dict) -> RunRecord:
+    """The validated record of a parsed log. A printed setting or metric the store cannot hold
+    (a name past the name limit, a dump nested past the depth limit) is left out and named in
+    `meta.unread` with why: one odd line of a log does not cost the run its curves."""
+    try:
+        return parse_run(data)
+    except InvalidRecord:
+        pass
+    unread = []
+    for part in ("config", "metrics"):
+        kept = {}
+        for key, value in data[part].items():
+            try:
+                parse_run({part: {key: value}})
+                kept[key] = value
+            except InvalidRecord as exc:
+                unread.append({"field": exc.field, "error": exc.error})
+        data[part] = kept
+    if unread:
+        data["meta"]["unread"] = unread[:UNREAD_SHOWN]
+        if len(unread) > UNREAD_SHOWN:
+            data["meta"]["unread_count"] = len(unread)
+    return parse_run(data)

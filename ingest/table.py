@@ -59,7 +59,7 @@ INT = re.compile(r"[+-]?(0|[1-9]\d*)")          # "007" is a code, kept as text
 FLOAT = re.compile(r"[+-]?((0|[1-9]\d*)(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 DECIMAL_COMMA = re.compile(r"[+-]?\d+,\d+([eE][+-]?\d+)?")
 NONFINITE = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
-SIZED = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT])")
+SIZED = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT])")
 MISSING = object()
 
 Target = tuple[str, tuple[str, ...]]       # ("scale" | "summary" | "config" | "field" | "drop", path)
