@@ -270,6 +270,8 @@ class EmbeddedLLM(CustomLLM):
                 self._call(kind, body, on_chunk)
             except LLMError as exc:
                 chunks.put(exc)
+            except Exception as exc:        # raised in this thread: carried over, never a cut-off answer
+                chunks.put(LLMError(f"llama.cpp failed while streaming: {exc}"))
             finally:
                 chunks.put(done)
 
