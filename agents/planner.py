@@ -32,6 +32,8 @@ MAX_QUESTION = 500       # characters; longer is prose for the retriever, not a 
 MAX_LISTED = 20          # values or keys written out in one answer; the rows keep them all
 # a word that may be a run's name: it has a digit or a joiner (ids and names people paste)
 NAME_LIKE = re.compile(r"[\d_.:/-]")
+# a question that continues the previous one, even if it would also stand alone
+CONTINUES = re.compile(r"\s*(and|what about|how about|same for|also|now)\b", re.I)
 
 
 @dataclass
@@ -56,9 +58,12 @@ def plan_and_answer(question: str, kb, *, context: Any = None, sql: ReadOnlySQL 
                 cache.update(link_words(ro, todo))
             return {w: cache[w] for w in words if cache.get(w, ("", ""))[0]}
 
-        plan = parse(question, linker)
         previous = _previous(context)
-        if plan is None and previous is not None:
+        plan = None
+        if previous is not None and CONTINUES.match(question):     # "and the highest val loss?"
+            plan = follow_up(question, previous, linker)
+        plan = plan or parse(question, linker)
+        if plan is None and previous is not None:                   # "at 350M?"
             plan = follow_up(question, previous, linker)
         return None if plan is None else answer(plan, ro)
     finally:
@@ -195,7 +200,7 @@ def _values(plan: Plan, rows: list[dict]) -> tuple[str, list[Citation]]:
     for value, members in shown:
         runs = members[:GROUP_MEMBERS]
         cited += runs
-        text.append(f"{label(key)} {fmt(value)}: " + ", ".join(
+        text.append(f"With {label(key)} {fmt(value)}: " + ", ".join(
             _run(r) + (f", failed at step {fmt(r['failure_step'])}" if r.get("failure_step") is not None else "")
             for r in runs) + ("; and more." if len(members) > len(runs) else "."))
     return " ".join(text), [Citation("run", r["run_id"], _quote(r, [key, "status", "failure_step"])) for r in cited]
@@ -216,8 +221,8 @@ def _aggregate(plan: Plan, rows: list[dict]) -> tuple[str, list[Citation]]:
         if plan.group == "run":
             text.append(f"{_cap(_run(head))}: {metric} {fmt(head[plan.metric])}.")
         elif plan.group:
-            text.append(f"{label(plan.group)} {fmt(g)}: {stat} {metric} {fmt(head[stat], True)} over {n} run{'s' if n != 1 else ''}"
-                        f" ({runs}{', ...' if n > len(members) else ''}).")
+            text.append(f"At {label(plan.group)} {fmt(g)}, the {stat} {metric} is {fmt(head[stat], True)} over {n} "
+                        f"run{'s' if n != 1 else ''} ({runs}{', ...' if n > len(members) else ''}).")
         else:
             text.append(f"The {stat} {metric} of the {n} runs {scope(plan)} is {fmt(head[stat], True)}"
                         f" ({runs}{', ...' if n > len(members) else ''}).")
@@ -247,7 +252,7 @@ def _diff(plan: Plan, rows: list[dict]) -> tuple[str, list[Citation]]:
     sides = [(r["key"], _leaf(r["a_vtype"], r["a_num"], r["a_text"]), _leaf(r["b_vtype"], r["b_num"], r["b_text"]))
              for r in rows]
     text = [f"Run {a} and run {b} differ in these config, scale and tag keys."]
-    text += [f"{k}: {va} in run {a}, {vb} in run {b}." for k, va, vb in sides[:MAX_LISTED]]
+    text += [f"In {k}, run {a} has {va} and run {b} has {vb}." for k, va, vb in sides[:MAX_LISTED]]
     if len(sides) > MAX_LISTED:
         text.append("More keys differ; the rows list them all.")
     quote_a = ", ".join(f"{k}={va}" for k, va, _ in sides[:MAX_LISTED])

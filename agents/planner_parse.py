@@ -287,13 +287,13 @@ def parse(question: str, linker: Linker | None = None) -> Plan | None:
 
 
 def follow_up(question: str, previous: Plan, linker: Linker | None = None) -> Plan | None:
-    """A follow-up ("and at 350M?", "what about the 1.3B runs?", "and the highest?") as the
-    previous plan with what it changes: a constraint replaces the previous one on the same
-    dimension, a superlative the direction, a quantity the measured metric."""
+    """A follow-up ("and at 350M?", "what about the 1.3B runs?", "and the highest?", "and by
+    warmup?") as the previous plan with what it changes: a constraint replaces the previous one
+    on the same dimension, a superlative the direction, a metric the measured quantity, a
+    quantity after "by" the group. None when it changes nothing the previous shape has."""
     its = items(question)
     link(its, linker)
-    kinds = {it.kind for it in its}
-    if kinds & {"count", "diff", "config", "compare"}:
+    if {it.kind for it in its} & {"count", "diff", "config", "compare"}:
         return None
     where = constraints(its, grouping=previous.shape == "aggregate")
     runs = tuple(dict.fromkeys(it.value[1] for it in its if it.kind == "run"))
@@ -301,22 +301,28 @@ def follow_up(question: str, previous: Plan, linker: Linker | None = None) -> Pl
         if it.kind == "run":
             it.used = True
     changes: dict[str, Any] = {}
-    if runs and previous.shape == "diff":
-        if len(runs) != 2:
-            return None
+    if previous.shape == "diff":
+        if where or len(runs) != 2:
+            return None                             # a diff changes only by its two runs
         changes["runs"] = runs
     elif runs:
         where.append(Constraint("runs", "in", runs, "among runs " + ", ".join(runs)))
-    for it in its:
+    direction = None
+    for i, it in enumerate(its):
+        if it.used:
+            continue
         if it.kind == "sup" and previous.shape in ("extreme", "best_config"):
-            changes["lowest"] = _lowest(it.value, previous.metric or DEFAULT_METRIC)
-            it.used = True
+            direction, it.used = it.value, True
         elif it.kind == "agg" and previous.shape == "aggregate":
             changes["aggregate"], it.used = it.value, True
-        elif it.kind == "qty" and not it.used and previous.shape in ("extreme", "aggregate", "best_config"):
+        elif it.kind == "by" and previous.shape == "aggregate" and i + 1 < len(its) and its[i + 1].kind == "qty":
+            changes["group"], it.used, its[i + 1].used = its[i + 1].value, True, True
+        elif it.kind == "qty" and previous.shape in ("extreme", "aggregate", "best_config") and it.value.startswith("summary."):
             changes["metric"], it.used = it.value, True
-        elif it.kind == "qty" and not it.used and previous.shape == "values":
-            changes["report"], it.used = (it.value,), True
+        elif it.kind == "qty" and previous.shape in ("extreme", "values"):
+            changes["report"], it.used = (it.value,), True     # "and which warmup?", "and the batch size?"
+    if direction is not None:
+        changes["lowest"] = _lowest(direction, changes.get("metric", previous.metric or DEFAULT_METRIC))
     if not where and not changes or not _all_understood(its):
         return None
     dims = {c.dim for c in where}
@@ -363,7 +369,7 @@ def _extreme(its: list[Item], free: list[Item], where: list[Constraint]) -> Plan
     sup_i = next(i for i, it in enumerate(its) if it.kind in ("sup", "top"))
     sup = its[sup_i]
     direction = sup.value or "best"
-    k = 1
+    k = None
     for j in (sup_i + 1, sup_i - 1):                # "top 5", "the 3 lowest"
         if 0 <= j < len(its) and its[j].kind == "num" and not its[j].used and float(its[j].value).is_integer() \
                 and 1 <= its[j].value <= MAX_K:
@@ -391,7 +397,7 @@ def _extreme(its: list[Item], free: list[Item], where: list[Constraint]) -> Plan
     report = tuple(dict.fromkeys(q.value for q in free if not q.used and q.value != metric))
     for q in free:
         q.used = True
-    return Plan("extreme", metric=metric, lowest=_lowest(direction, metric), k=max(k, 3) if k == 1 else k,
+    return Plan("extreme", metric=metric, lowest=_lowest(direction, metric), k=k or 3,
                 report=report, where=tuple(where))
 
 

@@ -151,7 +151,7 @@ def test_mean_by_learning_rate_matches_the_store(history):
             continue
         assert rows[0]["runs"] == len(values)
         assert rows[0]["mean"] == pytest.approx(statistics.fmean(values), rel=1e-12)
-        assert f"lr {fmt(lr)}: mean val/loss {fmt(rows[0]['mean'], True)} over {len(values)} runs" in a.text
+        assert f"At lr {fmt(lr)}, the mean val/loss is {fmt(rows[0]['mean'], True)} over {len(values)} runs" in a.text
     assert set(ids(a)) == {r["run_id"] for r in a.rows}
 
 
@@ -174,7 +174,7 @@ def test_what_changed_between_two_runs_found_by_name(history):
     by_key = {row["key"]: row for row in a.rows}
     assert set(by_key) == {"config.data.web", "config.model.norm", "tags.baseline"}
     assert by_key["config.model.norm"]["a_text"] == "layernorm" and by_key["config.model.norm"]["b_text"] == "rmsnorm"
-    assert "config.data.web: 0.7 in run" in a.text and len(a.citations) == 2
+    assert f"In config.data.web, run {ids(a)[0]} has 0.7 and run {ids(a)[1]} has 0.6." in a.text
     named = {r.name: r.id for r in history.runs(where="project = 'norms'")}
     assert ids(a) == [named["norm-layernorm"], named["norm-rmsnorm"]]
 
@@ -270,3 +270,15 @@ def test_shapes_and_their_parts():
     assert parse("how many runs did not diverge or crash").where[0].negated
     assert parse("how many runs at 10k steps") is None
     assert parse("best config at 350M").shape == "best_config"
+
+
+def test_a_follow_up_that_could_stand_alone_keeps_the_previous_constraints(history):
+    first = ask(history, "Which learning rate gave the lowest val loss at 350M?")
+    a = ask(history, "and the highest val loss?", context=first.plan)
+    worst = max((r for r in at("350M") if loss_of(r) is not None), key=loss_of)
+    assert ids(a)[0] == worst["id"] and a.plan.where == first.plan.where
+    means = ask(history, "mean val loss by lr at 125M")
+    b = ask(history, "and by warmup?", context=means.plan)
+    assert b.plan.group == "hparams.warmup_steps" and b.plan.where == means.plan.where
+    diff = ask(history, "What changed between norm-layernorm and norm-rmsnorm?")
+    assert ask(history, "and at 350M?", context=diff.plan) is None     # a diff has no scale to change
