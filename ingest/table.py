@@ -33,14 +33,15 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import math
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ingest.base import read_text_file, register, rejected
+from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import Item, Parsed, json_safe, parse_run
+from kb.records import MAX_TEXT, Item, Parsed, json_safe, parse_run
 from kb.vocab import column_target, fold
 
 SUFFIXES = {".csv", ".tsv", ".parquet", ".pq"}
@@ -61,6 +62,7 @@ DECIMAL_COMMA = re.compile(r"[+-]?\d+,\d+([eE][+-]?\d+)?")
 NONFINITE = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
 SIZED = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT])")
 MISSING = object()
+QUOTE_RESTARTS = 100       # unclosed quotes read around before the rest of a file is refused
 
 Target = tuple[str, tuple[str, ...]]       # ("scale" | "summary" | "config" | "field" | "drop", path)
 
@@ -217,7 +219,7 @@ def _record(plan: dict[str, Target], cells: dict[str, Any], typed: Callable[[Any
 def _field(name: str, raw: Any) -> Any:
     if name == "tags":
         items = raw if isinstance(raw, (list, tuple)) else re.split(r"[,;]", str(raw))
-        return [str(t).strip() for t in items if str(t).strip()]
+        return [str(t).strip() for t in items if t is not None and str(t).strip()]
     if name in ("started_at", "ended_at") and not isinstance(raw, str):
         return raw                      # a Parquet timestamp
     text = str(raw).strip()
@@ -258,28 +260,43 @@ def _column_of(plan: dict[str, Target], field: str) -> str:
 # -- CSV and TSV ------------------------------------------------------------------------------
 
 def _read_text(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
-    text, error = read_text_file(path, "utf-8-sig")        # Excel writes a byte-order mark
-    if error:
-        yield error
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        yield rejected(path, f"cannot read: {exc.strerror or exc}")
         return
-    buf, skipped = _after_comments(text)
-    delimiter = "\t" if path.suffix.lower() == ".tsv" else _sniff(text[buf.tell():buf.tell() + 16384])
-    reader = csv.reader(buf, delimiter=delimiter)
-    header = next(reader, None)
-    if not header:
-        yield rejected(path, "empty table: no header row")
+    # Excel writes a byte-order mark. Bytes that are not UTF-8 stay as surrogate escapes, so only
+    # the rows that hold them are refused, not the file.
+    text = raw.decode("utf-8-sig", errors="surrogateescape")
+    undecodable = not text.isascii() and _undecodable(text)
+    lines = list(io.StringIO(text, newline=""))        # physical lines, ends kept (\n, \r\n, \r)
+    first = _header_index(lines)
+    if csv.field_size_limit() < MAX_TEXT:
+        csv.field_size_limit(MAX_TEXT)     # the default is 128 KiB; a record holds longer text (process-wide, only raised)
+    sample = "".join(lines[first:first + 200])[:16384]
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else _sniff(sample)
+    rows = _rows(lines, first, delimiter)
+    line, header, error = next(rows, (first + 1, None, None))
+    if error or not header:
+        yield rejected(path, f"header row: {error}" if error else "empty table: no header row", line=line)
         return
     columns = [c.strip() for c in header]
+    if undecodable and (bad := next((i for i, c in enumerate(columns) if _undecodable(c)), None)) is not None:
+        yield rejected(path, "the header is not UTF-8", line=line, field=_printable(columns[bad]))
+        return
     try:
         plan = _plan(columns, overrides)
     except InvalidRecord as exc:
-        yield rejected(path, exc.error, line=skipped + 1, field=exc.field)
+        yield rejected(path, exc.error, line=line, field=exc.field)
         return
     # in a `;`-separated file a comma is the decimal mark (European spreadsheets)
     typed = _typed_decimal_comma if delimiter == ";" else _typed
-    n, last = 0, reader.line_num
-    for cells in reader:
-        line, last = skipped + last + 1, reader.line_num
+    n = 0
+    for line, cells, error in rows:
+        if error:
+            n += 1
+            yield rejected(path, error, line=line)
+            continue
         if not any(c.strip() for c in cells):          # blank lines, a spreadsheet's `,,,` tail
             continue
         n += 1
@@ -287,28 +304,79 @@ def _read_text(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
             yield rejected(path, f"{len(cells)} cells, but the header names {len(columns)} columns",
                            line=line)
             continue
+        row = dict(zip(columns, cells))
+        if undecodable and (bad := next((c for c in plan if _undecodable(row.get(c, ""))), None)) is not None:
+            yield rejected(path, "the cell is not UTF-8", line=line, field=bad)
+            continue
         try:
-            native = _record(plan, dict(zip(columns, cells)), typed, f"{path.stem} row {n}")
+            native = _record(plan, row, typed, f"{path.stem} row {n}")
         except InvalidRecord as exc:
             yield rejected(path, exc.error, line=line, field=exc.field)
             continue
         yield _validated(path, plan, native, f"{path}#row-{n}", line)
     if not n:
-        yield rejected(path, "no data rows under the header", line=skipped + 1)
+        yield rejected(path, "no data rows under the header", line=line)
 
 
-def _after_comments(text: str) -> tuple[io.StringIO, int]:
-    """A buffer positioned at the header, past leading blank and `#` lines; and how many those were."""
-    buf = io.StringIO(text, newline="")
-    skipped = 0
-    while True:
-        pos = buf.tell()
-        line = buf.readline()
-        if line and (not line.strip() or line.lstrip().startswith("#")):
-            skipped += 1
-            continue
-        buf.seek(pos)
-        return buf, skipped
+def _rows(lines: list[str], pos: int, delimiter: str) -> Iterator[tuple[int, list[str] | None, str | None]]:
+    """(first line number, cells, None) for each CSV row in lines[pos:], or (line number, None, why)
+    for a row that cannot be read: a cell over the size limit, or a quote that is never closed,
+    which would swallow every line after it as one cell; those lines are read again as rows."""
+    restarts = 0
+    while pos < len(lines):
+        reader = csv.reader(itertools.islice(lines, pos, None), delimiter=delimiter)
+        at = 0                                   # lines the reader has consumed
+        while True:
+            try:
+                cells = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                yield pos + at + 1, None, f"not readable as CSV: {exc}"
+                at = reader.line_num
+                continue
+            start, at = pos + at, reader.line_num
+            if pos + at == len(lines) and pos + at - start > 1 and _unclosed(lines[start:], delimiter):
+                restarts += 1
+                if restarts > QUOTE_RESTARTS:
+                    yield start + 1, None, (f"more than {QUOTE_RESTARTS} quotes are never closed; "
+                                            "the rest of the file is not read")
+                    return
+                yield start + 1, None, "a quoted cell that starts on this line is never closed"
+                pos = start + 1
+                break
+            yield start + 1, cells, None
+
+
+def _unclosed(lines: list[str], delimiter: str) -> bool:
+    """Whether the row that starts these lines runs to the end of the file inside a quoted cell."""
+    try:
+        for _ in csv.reader(lines, delimiter=delimiter, strict=True):
+            pass
+    except csv.Error:
+        return True
+    return False
+
+
+def _header_index(lines: list[str]) -> int:
+    """The index of the header line: past leading blank lines and `#` comments."""
+    for i, line in enumerate(lines):
+        if line.strip() and not line.lstrip().startswith("#"):
+            return i
+    return len(lines)
+
+
+def _undecodable(text: str) -> bool:
+    """Whether `text` holds bytes that were not UTF-8 (decoded as surrogate escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _sniff(sample: str) -> str:
@@ -332,7 +400,10 @@ def _typed(cell: str) -> Any:
     if low in ("true", "false"):
         return low == "true"
     if INT.fullmatch(s):
-        return int(s)
+        try:
+            return int(s)
+        except ValueError:            # past Python's 4,300-digit conversion limit: json_safe's text of it
+            return s.lstrip("+")
     if FLOAT.fullmatch(s) or low in NONFINITE:
         return float(low)
     return s
@@ -361,9 +432,8 @@ def _has_rows(path: Path) -> bool:
             text = fh.read(65536)
     except OSError:
         return False
-    buf, _ = _after_comments(text)
-    lines = [ln for ln in buf.read().splitlines() if ln.strip()]
-    return len(lines) >= 2
+    lines = text.splitlines()
+    return sum(1 for ln in lines[_header_index(lines):] if ln.strip()) >= 2
 
 
 # -- Parquet ----------------------------------------------------------------------------------
@@ -376,7 +446,7 @@ def _read_parquet(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
         table = pq.ParquetFile(path)
         columns = list(table.schema_arrow.names)
     except (OSError, pa.ArrowException) as exc:
-        yield rejected(path, f"not a readable Parquet file: {exc}")
+        yield rejected(path, f"not a readable Parquet file: {_one_line(exc)}")
         return
     try:
         plan = _plan([c.strip() for c in columns], overrides)
@@ -384,11 +454,22 @@ def _read_parquet(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
         yield rejected(path, exc.error, field=exc.field)
         return
     n = 0
-    for batch in table.iter_batches(batch_size=4096):
-        for row in batch.to_pylist():
+    batches = table.iter_batches(batch_size=4096)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as exc:        # a damaged page: what came before it is in
+            yield rejected(path, f"the rows from here on cannot be read: {_one_line(exc)}", field=f"row-{n + 1}")
+            break
+        if batch is None:
+            break
+        for cells, unreadable in _batch_rows(batch):
             n += 1
-            cells = {c.strip(): v for c, v in row.items()}
             where = f"row-{n}."        # Parquet has no lines: the row, as in the source URI
+            if unreadable:
+                column, error = unreadable
+                yield rejected(path, f"the value has no Python equivalent: {error}", field=where + column)
+                continue
             try:
                 native = _record(plan, cells, _parquet_value, f"{path.stem} row {n}")
             except InvalidRecord as exc:
@@ -397,6 +478,35 @@ def _read_parquet(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
             yield _validated(path, plan, native, f"{path}#row-{n}", None, where)
     if not n:
         yield rejected(path, "no rows")
+
+
+def _batch_rows(batch) -> Iterator[tuple[dict[str, Any], tuple[str, str] | None]]:
+    """({column: value}, None) per row of a record batch, or (cells, (column, why)) for a row
+    holding a value Python cannot represent (a timestamp past the year 9999)."""
+    import pyarrow as pa
+
+    columns: dict[str, list] = {}
+    broken: dict[int, tuple[str, str]] = {}
+    for name, array in zip(batch.schema.names, batch.columns):
+        try:
+            columns[name.strip()] = array.to_pylist()
+        except (ArithmeticError, ValueError, pa.ArrowException):
+            values = []
+            for i in range(len(array)):           # only a column that failed whole goes value by value
+                try:
+                    values.append(array[i].as_py())
+                except (ArithmeticError, ValueError, pa.ArrowException) as exc:
+                    values.append(None)
+                    broken.setdefault(i, (name.strip(), _one_line(exc)))
+            columns[name.strip()] = values
+    for i in range(batch.num_rows):
+        yield {c: values[i] for c, values in columns.items()}, broken.get(i)
+
+
+def _one_line(exc: Exception) -> str:
+    """An exception's message as one line of at most 300 characters (Arrow's span several)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _parquet_value(value: Any) -> Any:
