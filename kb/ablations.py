@@ -5,6 +5,13 @@ a baseline, variants and their effect on the final metric.
 Runs that differ only in their seed are one configuration measured several times: their
 spread is the noise floor, and each effect says whether it clears it (|delta| > 2 sigma,
 sigma the pooled seed standard deviation).
+
+Configurations that differ in one key `k` are those equal once `k` is left out: they share a
+*bucket* (the config without `k`; one without `k` at all sits in the bucket of its whole
+config). A bucket is named by a 64-bit sum of hashes of its (key, value) items, so leaving a
+key out is one subtraction: finding every bucket costs time linear in the config, and a new
+run finds the runs it forms ablations with by looking its buckets up (kb.ablation_store).
+A sum can collide, so membership is always confirmed on the configs themselves.
 """
 from __future__ import annotations
 
@@ -16,16 +23,14 @@ from collections import defaultdict
 from functools import lru_cache
 from json.encoder import encode_basestring_ascii
 
-from sqlalchemy import and_, delete, insert, select
-from sqlmodel import Session
-
-from kb.fields import FIELD_COLUMNS, canonical, field_tuples, leaves
-from kb.models import Ablation, Run, RunField, utcnow
-from kb.query_sql import codepoint
+from kb.fields import canonical, leaves
+from kb.models import utcnow
 
 SEED_KEYS = {"seed", "data_seed", "random_seed", "init_seed", "shuffle_seed"}
 METRICS = ("val/loss", "val_loss", "eval/loss", "eval_loss", "valid/loss", "loss", "train/loss", "train_loss")
 MISSING = "<missing>"
+TAG = "ablation:"
+_MOD = 1 << 64
 
 
 def _signature(config: dict) -> dict[str, str]:
@@ -34,7 +39,7 @@ def _signature(config: dict) -> dict[str, str]:
             if p and p[-1] not in SEED_KEYS and not isinstance(v, (dict, list))}
 
 
-_canonical = lru_cache(maxsize=16384)(canonical)    # the same few dozen paths in every run
+_canonical = lru_cache(maxsize=1 << 16)(canonical)    # the same paths in every run of a project
 
 
 def _json_text(v) -> str:
@@ -48,19 +53,41 @@ def _json_text(v) -> str:
     return json.dumps(v, sort_keys=True)
 
 
-def _metric(runs: list[Run]) -> str | None:
-    """The first of METRICS that any run reports (a diverged variant has no final, and says so)."""
-    for m in METRICS:
-        if any(isinstance(r.summary.get(m), (int, float)) for r in runs):
-            return m
-    return None
+def _hash(tag: bytes, text: str) -> int:
+    # surrogatepass: a key may hold a lone surrogate (values are ASCII JSON text already)
+    return int.from_bytes(hashlib.blake2b(tag + text.encode("utf-8", "surrogatepass"), digest_size=8).digest(),
+                          "little")
 
 
-class _Group:
-    """Runs with one configuration: several seeds of it, or one."""
+def _item_hash(key: str, value: str) -> int:
+    return _hash(b"k", f"{key}\x00{value}")      # value is JSON text: no NUL, so the split is unique
 
-    def __init__(self, sig: dict[str, str], runs: list[Run]):
-        self.sig, self.runs = sig, sorted(runs, key=lambda r: r.id)
+
+def signed(h: int) -> int:
+    """A 64-bit hash as SQL's BIGINT holds it."""
+    return h - _MOD if h >= 1 << 63 else h
+
+
+Parts = tuple[dict, dict, int]      # a run's signature, its items' hashes and their sum
+
+
+def parts_of(project: str, config: dict) -> Parts:
+    sig = _signature(config)
+    items = {k: _item_hash(k, v) for k, v in sig.items()}
+    return sig, items, (_hash(b"p", project) + sum(items.values())) % _MOD
+
+
+class Config:
+    """Runs with one configuration: several seeds of it, or one; with the hashes naming its buckets."""
+
+    def __init__(self, parts: Parts, runs: list):
+        self.sig, self.items, self.total = parts
+        self.runs = sorted(runs, key=lambda r: r.id)
+
+    def bucket(self, key: str) -> int:
+        """The bucket this config shares with those that differ from it in `key` alone."""
+        h = self.items.get(key)
+        return self.total if h is None else (self.total - h) % _MOD
 
     def values(self, metric: str) -> list[float]:
         return [float(r.summary[metric]) for r in self.runs if isinstance(r.summary.get(metric), (int, float))]
@@ -70,10 +97,39 @@ class _Group:
         return statistics.fmean(v) if v else None
 
 
-def _baseline(groups: list[_Group]) -> _Group:
+def group_runs(project: str, runs: list, known: dict[str, Parts] | None = None) -> list[Config]:
+    """Runs grouped by configuration (exactly equal signatures), in first-seen order. `known`
+    keeps each run's parts (run id -> Parts) for the next call, so a config is hashed once."""
+    known = {} if known is None else known
+    by_total: dict[int, list[Config]] = defaultdict(list)
+    out = []
+    for r in runs:
+        parts = known.get(r.id)
+        if parts is None:
+            parts = known[r.id] = parts_of(project, r.config)
+        same = next((c for c in by_total[parts[2]] if c.sig is parts[0] or c.sig == parts[0]), None)
+        if same is None:
+            same = Config(parts, [])
+            by_total[parts[2]].append(same)
+            out.append(same)
+        same.runs.append(r)
+    for c in out:
+        c.runs.sort(key=lambda r: r.id)
+    return out
+
+
+def _metric(runs: list) -> str | None:
+    """The first of METRICS that any run reports (a diverged variant has no final, and says so)."""
+    for m in METRICS:
+        if any(isinstance(r.summary.get(m), (int, float)) for r in runs):
+            return m
+    return None
+
+
+def _baseline(groups: list[Config]) -> Config:
     members = {r.id for g in groups for r in g.runs}
 
-    def rank(g: _Group):
+    def rank(g: Config):
         tagged = any("baseline" in r.tags for r in g.runs)
         is_parent = any(r.parent in {x.id for x in g.runs} for o in groups for r in o.runs if r.parent in members)
         first = min((r.started_at.isoformat() if r.started_at else "", r.id) for r in g.runs)
@@ -81,7 +137,7 @@ def _baseline(groups: list[_Group]) -> _Group:
     return min(groups, key=rank)
 
 
-def _pooled_sigma(groups: list[_Group], metric: str) -> float | None:
+def _pooled_sigma(groups: list[Config], metric: str) -> float | None:
     ss, dof = 0.0, 0
     for g in groups:
         v = g.values(metric)
@@ -91,9 +147,11 @@ def _pooled_sigma(groups: list[_Group], metric: str) -> float | None:
     return (ss / dof) ** 0.5 if dof else None
 
 
-def _build(project: str, factor: str, groups: list[_Group], key: str | None) -> dict:
+def _build(project: str, factor: str, groups: list[Config], key: str | None) -> dict:
     """One Ablation row as a dict of its columns (constructing the ORM object cost more than
-    finding the ablation)."""
+    finding the ablation). `key` is the config key that varies; None for a tag ablation."""
+    # one order, whatever order the groups were found in: sigma's float sum comes out the same
+    groups = sorted(groups, key=lambda g: g.runs[0].id)
     runs = [r for g in groups for r in g.runs]
     metric = _metric(runs)
     base = _baseline(groups)
@@ -119,82 +177,109 @@ def _build(project: str, factor: str, groups: list[_Group], key: str | None) -> 
                         "best": min((v for v in variants if v["metric"] is not None),
                                     key=lambda v: v["metric"], default={}).get("run")},
                 source_kind="derived", source_uri=f"project:{project}", content_hash=digest,
-                ingested_at=utcnow())
+                ingested_at=utcnow(), bucket=signed(groups[0].bucket(key)) if key is not None else None)
 
 
-def find_ablations(project: str, runs: list[Run]) -> list[dict]:
-    """The project's ablations as Ablation rows (dicts of its columns), in a stable order."""
-    # a signature's items, sorted, stand for it: equal tuples are equal signatures, and a tuple
-    # with one key left out is hashed directly (no text built per key and group)
-    by_config: dict[tuple, list[Run]] = defaultdict(list)
-    sigs: dict[tuple, dict] = {}
-    sig_of: dict[str, tuple] = {}
-    for r in runs:
-        sig = _signature(r.config)
-        k = tuple(sorted(sig.items()))
-        by_config[k].append(r)
-        sigs[k] = sig
-        sig_of[r.id] = k
-    groups = [_Group(sigs[k], rs) for k, rs in by_config.items()]
-    items = list(by_config)                      # groups[i]'s sorted items
-    position = [{key: i for i, (key, _) in enumerate(its)} for its in items]
+def _same_but(a: Config, b: Config, key: str) -> bool:
+    """a and b agree on every key but `key` (which either may lack)."""
+    if len(a.sig) - (key in a.sig) != len(b.sig) - (key in b.sig):
+        return False
+    other = b.sig
+    return all(k == key or other.get(k) == v for k, v in a.sig.items())
+
+
+def bucket_ablations(project: str, key: str, bucket: int, configs: list[Config]) -> list[dict]:
+    """The ablations of `key` among configs found in one bucket: those really in it (a hash names
+    it, the configs confirm it), grouped by what they share, each group of two or more with `key`
+    somewhere an ablation (a collision of sums is the only way to more than one)."""
+    inside = [c for c in configs if c.bucket(key) == bucket % _MOD]
+    classes: list[list[Config]] = []
+    for c in inside:
+        home = next((cl for cl in classes if _same_but(cl[0], c, key)), None)
+        if home is None:
+            classes.append([c])
+        else:
+            home.append(c)
+    return [_build(project, f"config.{key}", cl, key) for cl in classes
+            if len(cl) >= 2 and any(key in c.sig for c in cl)]
+
+
+def tagged_factors(tags: list) -> list[str]:
+    """The factors a run's `ablation:<factor>` tags name (one per tag, repeats kept)."""
+    return [t[len(TAG):] for t in tags if isinstance(t, str) and t.startswith(TAG) and len(t) > len(TAG)]
+
+
+def tag_ablation(project: str, factor: str, runs: list, configs: dict[str, Config],
+                 covered: set[tuple]) -> dict | None:
+    """The ablation of the runs tagged `ablation:<factor>` (`runs`, repeated once per such tag),
+    unless it has one config only, or a config ablation of that name already holds exactly them
+    (`covered`: (name, sorted run ids) of the config ablations)."""
+    distinct = list(dict.fromkeys(id(configs[r.id]) for r in runs))      # first-seen order
+    if len(distinct) < 2 or (factor, tuple(sorted(r.id for r in runs))) in covered:
+        return None
+    by_id = {id(configs[r.id]): configs[r.id] for r in runs}
+    sub = [_TagGroup(by_id[i], [r for r in runs if id(configs[r.id]) == i]) for i in distinct]
+    return _build(project, factor, sub, None)
+
+
+class _TagGroup(Config):
+    """A config's tagged runs only (a tag ablation holds the runs that carry the tag)."""
+
+    def __init__(self, config: Config, runs: list):
+        super().__init__((config.sig, config.items, config.total), runs)
+
+
+def name_of(factor: str) -> str:
+    """The name an ablation is queried by: `ablations.<name>.role` (a config key's last segment)."""
+    return factor.rsplit(".", 1)[-1] if factor.startswith("config.") else factor
+
+
+def covered_by(ablation: dict) -> tuple:
+    return (ablation["factor"].rsplit(".", 1)[-1], tuple(sorted(x for v in ablation["variants"] for x in v["runs"])))
+
+
+def find_ablations(project: str, runs: list, known: dict[str, Parts] | None = None) -> list[dict]:
+    """The project's ablations as Ablation rows (dicts of its columns), config ablations first,
+    each kind by factor: the order in which `run_fields` lets a later one win a name."""
+    configs = group_runs(project, runs, known)
+    buckets: dict[tuple[int, str], list[Config]] = defaultdict(list)
+    whole: dict[int, list[Config]] = defaultdict(list)
+    for c in configs:
+        whole[c.total].append(c)
+        for k in c.sig:
+            buckets[(c.bucket(k), k)].append(c)
     found = []
-    keys = sorted({k for g in groups for k in g.sig})
-    for key in keys:
-        # groups equal in everything but `key` (holding it or not) share a bucket
-        buckets: dict[tuple, list[_Group]] = defaultdict(list)
-        for g, its, pos in zip(groups, items, position):
-            i = pos.get(key)
-            buckets[its if i is None else its[:i] + its[i + 1:]].append(g)
-        for members in buckets.values():
-            if len(members) >= 2 and any(key in g.sig for g in members):
-                found.append(_build(project, f"config.{key}", members, key))
-    tagged: dict[str, list[Run]] = defaultdict(list)
+    for (b, k), having in buckets.items():
+        lacking = [c for c in whole.get(b, ()) if k not in c.sig]
+        if len(having) + len(lacking) >= 2:
+            found += bucket_ablations(project, k, b, having + lacking)
+    found.sort(key=lambda a: (a["factor"], a["id"]))
+    covered = {covered_by(a) for a in found}
+    config_of = {r.id: c for c in configs for r in c.runs}
+    tagged: dict[str, list] = defaultdict(list)
     for r in runs:
-        for t in r.tags:
-            if t.startswith("ablation:") and len(t) > len("ablation:"):
-                tagged[t.split(":", 1)[1]].append(r)
-    covered = {(a["factor"].rsplit(".", 1)[-1], tuple(sorted(x for v in a["variants"] for x in v["runs"])))
-               for a in found}
+        for f in tagged_factors(r.tags):
+            tagged[f].append(r)
+    ids = {a["id"] for a in found}
     for factor, rs in sorted(tagged.items()):
-        distinct = list(dict.fromkeys(sig_of[r.id] for r in rs))      # first-seen order
-        sub = [_Group(sigs[k], [r for r in rs if sig_of[r.id] == k]) for k in distinct]
-        if len(sub) >= 2 and (factor, tuple(sorted(r.id for r in rs))) not in covered:
-            found.append(_build(project, factor, sub, None))
+        a = tag_ablation(project, factor, rs, config_of, covered)
+        if a is not None and a["id"] not in ids:        # a tag `ablation:config.x` on a config ablation
+            found.append(a)
     return found
 
 
-def refresh(session: Session, project: str) -> list[dict]:
-    """Recompute a project's ablations and the `ablations.*` fields its runs are queried by."""
-    # only the columns the search reads, as plain rows: loading whole ORM runs (cards, stats)
-    # cost more than finding the ablations
-    t = Run.__table__
-    runs = session.execute(select(t.c.id, t.c.config, t.c.summary, t.c.tags, t.c.parent, t.c.started_at)
-                           .where(t.c.project == project)).all()
-    found = find_ablations(project, runs)
-    session.execute(delete(Ablation).where(Ablation.project == project))
-    ids = [r.id for r in runs]
-    # the ablations.* keys by code-point range, which the (key, run_id) primary key serves
-    # (LIKE is case-blind on SQLite, so no index can)
-    prefix = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunField.key) < "ablations/")
-    for chunk in (ids[i:i + 500] for i in range(0, len(ids), 500)):
-        session.execute(delete(RunField).where(RunField.run_id.in_(chunk), prefix))
-    if found:
-        session.execute(insert(Ablation.__table__), found)
+def precedence(ablation: dict) -> tuple:
+    """Config ablations before tag ablations, each by factor: where two share a name, the later wins."""
+    return (ablation["bucket"] is None, ablation["factor"], ablation["id"])
+
+
+def run_fields(ablations: list[dict]) -> dict[str, dict]:
+    """Each member run's `ablations.<name>` fields: {run id: {name: {role, id, delta, exceeds_seed_spread}}}."""
     per_run: dict[str, dict] = defaultdict(dict)
-    for a in found:
-        factor = a["factor"]
-        name = factor.rsplit(".", 1)[-1] if factor.startswith("config.") else factor
+    for a in sorted(ablations, key=precedence):
+        name = name_of(a["factor"])
         for v in a["variants"]:
             for rid in v["runs"]:
                 per_run[rid][name] = {"role": "baseline" if v["baseline"] else "variant", "id": a["id"],
                                       "delta": v["delta"], "exceeds_seed_spread": v["exceeds_seed_spread"]}
-    rows = [row for rid, abl in per_run.items() for row in field_tuples(rid, {"ablations": abl})]
-    if rows:
-        # straight to the driver, as the run writer does: four rows per run and ablation, and
-        # SQLAlchemy's per-row parameter handling cost more than the inserts
-        conn = session.connection()
-        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-        conn.exec_driver_sql(f"INSERT INTO runfield ({', '.join(FIELD_COLUMNS)}) "
-                             f"VALUES ({', '.join([mark] * len(FIELD_COLUMNS))})", rows)
-    return found
+    return per_run

@@ -172,6 +172,33 @@ class Ablation(Provenance, table=True):
     baseline_run: str = Field(foreign_key="run.id", ondelete="CASCADE")
     variants: list = Field(default_factory=list, sa_column=json_col(nullable=False))
     effect: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    # the bucket (kb.ablations) a config ablation was found in; NULL for a tag ablation
+    bucket: int | None = Field(default=None, sa_column=Column(BigInteger, index=True))
+
+
+class AblationSig(SQLModel, table=True):
+    """A run's ablation buckets (kb.ablations): its whole config (key '') and its config without
+    each key, as 64-bit hashes. A run finds those it forms ablations with by looking its buckets
+    up here, never by comparing configs; clustered by bucket on SQLite (migration 0007)."""
+    __table_args__ = (Index("ix_ablationsig_run_id", "run_id"), {"sqlite_with_rowid": False})
+    bucket: int = Field(sa_column=Column(BigInteger, primary_key=True))
+    run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
+    slot: int = Field(primary_key=True)       # 0 the whole config, i the config without its i-th key
+    key: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))   # the key left out
+
+
+class AblationRun(SQLModel, table=True):
+    """The runs each ablation holds: where a changed run's old ablations are found."""
+    run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
+    ablation_id: str = Field(primary_key=True, foreign_key="ablation.id", ondelete="CASCADE", index=True)
+
+
+class AblationPending(SQLModel, table=True):
+    """Runs written since their ablations were last refreshed (queued in the run's own transaction),
+    or a project to recompute whole (run_id NULL)."""
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str | None = None
+    project: str | None = None
 
 
 class Note(Provenance, table=True):

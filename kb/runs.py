@@ -16,6 +16,7 @@ from sqlalchemy import bindparam, delete, select
 from sqlmodel import Session
 
 from kb import curves, vocab
+from kb.ablation_store import queue_run
 from kb.cards import run_card
 from kb.fields import FIELD_COLUMNS, field_tuples
 from kb.indexer import queue_index
@@ -78,7 +79,6 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
     if stored is not None:
         for table in (RunField, MetricPoint, Failure, Anomaly):
             session.execute(delete(table).where(table.run_id == run_id))
-        session.execute(delete(Ablation).where(Ablation.baseline_run == run_id))
 
     metrics = {k: [tuple(p) for p in pts] for k, pts in record.metrics.items()}
     cv = curves.Curves(metrics)         # each curve's arrays built once for all three
@@ -117,6 +117,7 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
     _bulk(session, Failure, [{"run_id": run_id, **f} for f in failures])
     _bulk(session, Anomaly, [{"run_id": run_id, **a} for a in anomalies])
     queue_index(session, "run", run_id)
+    queue_run(conn, run_id)             # its ablations: kb.ablation_store.refresh, after the commit
     return ("added" if stored is None else "updated"), run_id
 
 

@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from sqlalchemy import text
+
+from fuzzing import examples
+
 
 def run(rid, final, *, norm="layernorm", lr=6e-4, seed=0, tags=(), project="p", extra=None):
     cfg = {"model": {"n_layer": 4, "norm": norm}, "optim": {"lr": lr}, "seed": seed} | (extra or {})
@@ -59,3 +65,141 @@ def test_ablations_follow_updates_and_stay_per_project(kb, tmp_path):
     assert len(kb.run("x1").ablations) == 1 and kb.run("y1").ablations == []
     ingest(kb, tmp_path, [run("x1", 3.0), run("x2", 2.9, lr=1e-3, norm="rmsnorm"), run("y1", 3.0, project="other")])
     assert kb.run("x1").ablations == []
+
+
+# ---- incremental refresh: the same ablations as a recomputation from scratch ---------------------
+
+KEYS = {"a": {"x": (1, 2)}, "b": {"x": ("u", "v")}, "y": (0.1, 0.2, 0.3), "z": (True, None)}
+
+
+def _config(draw_value, keep) -> dict:
+    """A small config over KEYS: nested `a.x` and `b.x` share the name x; some keys left out."""
+    out = {}
+    for k, v in KEYS.items():
+        if not keep(k):
+            continue
+        out[k] = {kk: draw_value(vv) for kk, vv in v.items()} if isinstance(v, dict) else draw_value(v)
+    return out
+
+
+@st.composite
+def histories(draw):
+    """Batches of records into projects p and q: new runs and rewrites of earlier ones (another
+    config, loss, tags, or project), so runs join, leave and move between ablations."""
+    batches, ids = [], []
+    for _ in range(draw(st.integers(1, 4))):
+        batch = []
+        for _ in range(draw(st.integers(1, 6))):
+            rid = draw(st.sampled_from(ids)) if ids and draw(st.booleans()) else f"r{len(ids)}"
+            if rid not in ids:
+                ids.append(rid)
+            cfg = _config(lambda vals: draw(st.sampled_from(vals)), lambda k: draw(st.integers(0, 5)) > 0)
+            cfg["seed"] = draw(st.integers(0, 1))
+            tags = draw(st.lists(st.sampled_from(["ablation:x", "ablation:y", "ablation:recipe", "baseline"]),
+                                 max_size=3))
+            batch.append({"id": rid, "project": draw(st.sampled_from(["p", "q"])), "config": cfg, "tags": tags,
+                          "metrics": {"val/loss": [[0, 9.0], [10, draw(st.sampled_from([2.5, 2.75, 3.0]))]]}})
+        batches.append(batch)
+    return batches
+
+
+def _state(kb, project):
+    from kb.ablation_store import snapshot
+    with kb.engine.connect() as conn:
+        return snapshot(conn, project)
+
+
+def _rebuilt(kb, project):
+    from kb.ablation_store import rebuild
+    with kb.engine.begin() as conn:
+        rebuild(conn, project)
+    return _state(kb, project)
+
+
+def reference(runs: list[dict]) -> set[tuple]:
+    """The definition, written plainly: (factor, member ids) of every config ablation, each pair
+    of configs compared key by key (no hashes, no buckets)."""
+    def sig(r):
+        from kb.fields import canonical, leaves
+        return {canonical(p): json.dumps(v) for p, v in leaves(r["config"]) if p[-1] != "seed"}
+    sigs = {r["id"]: sig(r) for r in runs}
+    out = set()
+    for k in sorted({k for s in sigs.values() for k in s}):
+        classes: dict[str, set] = {}
+        for rid, s in sigs.items():
+            rest = json.dumps({kk: v for kk, v in s.items() if kk != k}, sort_keys=True)
+            classes.setdefault(rest, set()).add(rid)
+        for members in classes.values():
+            values = {sigs[m].get(k) for m in members}
+            if len(values) >= 2:
+                out.add((f"config.{k}", frozenset(members)))
+    return out
+
+
+@hsettings(max_examples=examples(15), deadline=None, suppress_health_check=list(HealthCheck))
+@given(history=histories())
+def test_incremental_refresh_equals_recomputation(kb, history):
+    with kb.engine.begin() as conn:          # one database for every example: start each empty
+        for table in ("ablationrun", "ablation", "ablationsig", "ablationpending", "run"):
+            conn.execute(text(f"DELETE FROM {table}"))
+    latest: dict[str, dict] = {}
+    for batch in history:
+        report = kb.ingest_records(batch, index=False)
+        assert report.failed == []
+        for r in batch:
+            latest[r["id"]] = r
+        for project in ("p", "q"):
+            incremental = _state(kb, project)
+            assert incremental == _rebuilt(kb, project)
+            runs = [r for r in latest.values() if r["project"] == project]
+            stored = {(a["factor"], frozenset(x for v in a["variants"] for x in v["runs"]))
+                      for a in incremental["ablations"].values() if a["bucket"] is not None}
+            assert stored == reference(runs)
+
+
+def test_a_run_queued_before_a_crash_is_refreshed_by_the_next_ingest(kb, tmp_path):
+    """Runs committed but never refreshed (the process died in between) are taken up later."""
+    from kb.db import WriteBatch
+    from kb.records import parse_run
+    from kb.runs import write_run
+    with WriteBatch(kb.engine) as batch:       # the ingest's write, with no refresh after it
+        for rec in (run("c1", 3.0), run("c2", 2.9, lr=1e-3)):
+            with batch.record() as s:
+                write_run(s, parse_run(rec), "native", "crashed.jsonl")
+    assert kb.run("c1").ablations == []
+    ingest(kb, tmp_path, [run("other", 3.0, project="elsewhere")])
+    assert [a["factor"] for a in kb.run("c1").ablations] == ["config.optim.lr"]
+    assert _state(kb, "p") == _rebuilt(kb, "p")
+
+
+def test_a_queued_project_is_recomputed_whole(kb, tmp_path):
+    """What migration 0007 does for the ablations found before it: the project is queued whole."""
+    from kb.ablation_store import queue_project, refresh
+    ingest(kb, tmp_path, [run("w1", 3.0), run("w2", 2.9, lr=1e-3), run("w3", 2.8, norm="rmsnorm")])
+    before = _state(kb, "p")
+    with kb.engine.begin() as conn:            # as an older version left it: no buckets, no members
+        for table in ("ablationrun", "ablationsig"):
+            conn.execute(text(f"DELETE FROM {table}"))
+        queue_project(conn, "p")
+    with kb.engine.begin() as conn:
+        assert refresh(conn) == 1
+    assert _state(kb, "p") == before and before["members"] and before["sigs"]
+
+
+@pytest.mark.slow
+def test_a_run_with_20000_config_keys_ingests_with_its_ablations(kb, tmp_path):
+    """Finding 8: ablations were found in time quadratic in config size (minutes at 20,000 keys)."""
+    base = {f"layer{i}": {"width": 64 + i % 7, "act": "gelu"} for i in range(10_000)}   # 20,000 leaves
+    records = []
+    for rid, change, loss in (("base", {}, 3.0), ("wide", {"layer17": {"width": 512}}, 2.9),
+                              ("relu", {"layer9999": {"act": "relu"}}, 3.1), ("twice", {"layer1": {"width": 1}, "layer2": {"width": 1}}, 3.3)):
+        cfg = {k: dict(v, **change.get(k, {})) for k, v in base.items()}
+        records.append({"id": rid, "project": "big", "config": cfg, "tags": ["baseline"] if rid == "base" else [],
+                        "metrics": {"val/loss": [[0, 9.0], [100, loss]]}})
+    ingest(kb, tmp_path, records)
+    factors = {a["factor"]: a for a in kb.run("base").ablations}
+    assert set(factors) == {"config.layer17.width", "config.layer9999.act"}
+    wide = factors["config.layer17.width"]
+    assert wide["baseline_run"] == "base" and {v["value"] for v in wide["variants"]} == {67, 512}
+    assert kb.run("twice").ablations == []                  # two keys differ: no ablation
+    assert {r.id for r in kb.runs(where="ablations.act.role = 'variant'")} == {"relu"}

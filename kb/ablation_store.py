@@ -1,0 +1,325 @@
+"""Ablations kept in SQL as runs come and change, at a cost that follows the change, not the project.
+
+A run write queues the run (`queue_run`, in the run's own transaction, so a crash loses nothing).
+`refresh` takes the queue and recomputes only the buckets (kb.ablations) the queued runs were in,
+through their ablations, and are in now, found by looking their bucket hashes up:
+
+    1. each queued run's buckets rewritten (AblationSig): its whole config and one per key
+    2. buckets to redo: those of a queued run that hold another config, and those of its old
+       ablations; tags to redo: its tags, and the names of the config ablations it touched
+    3. the runs in those buckets and tags read, grouped into configs, their ablations found
+    4. old ablations replaced by the new (Ablation, AblationRun), and every run whose
+       ablations changed gets its `ablations.*` fields written again from all it is in now
+
+Writers never wait on each other's refresh inside their own transaction: the refresh runs after
+their runs commit, one at a time (a Postgres advisory lock, SQLite's write lock), and reads
+the queue only once it holds the lock, so the last refresh sees every run committed before it.
+The result equals a recomputation from scratch (`rebuild`; tests/test_concurrency.py).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Iterator
+
+from sqlalchemy import and_, delete, insert, select, text, update
+from sqlalchemy.engine import Connection
+
+from kb.ablations import (TAG, Config, bucket_ablations, covered_by, find_ablations, group_runs, name_of,
+                          run_fields, signed, tag_ablation, tagged_factors)
+from kb.fields import FIELD_COLUMNS, canonical, field_tuples
+from kb.models import Ablation, AblationPending, AblationRun, AblationSig, Run, RunField
+from kb.query_sql import codepoint
+
+LOCK_KEY = 7243002          # Postgres advisory lock of the refresh (7243001 guards migrations)
+CHUNK = 500                 # ids per IN list (Postgres takes 65,535 parameters, old SQLite 999)
+
+_RUNS = Run.__table__
+_ABL = Ablation.__table__
+_SIG = AblationSig.__table__
+_MEMBER = AblationRun.__table__
+_QUEUE = AblationPending.__table__
+_READ = (_RUNS.c.id, _RUNS.c.project, _RUNS.c.config, _RUNS.c.summary, _RUNS.c.tags, _RUNS.c.parent,
+         _RUNS.c.started_at)
+_ABL_READ = (_ABL.c.id, _ABL.c.project, _ABL.c.factor, _ABL.c.bucket, _ABL.c.variants)
+
+
+def queue_run(conn: Connection, run_id: str) -> None:
+    """Mark a run's ablations for the next refresh (call it in the transaction that writes the run)."""
+    conn.execute(insert(_QUEUE), {"run_id": run_id, "project": None})
+
+
+def queue_project(conn: Connection, project: str) -> None:
+    """Mark a whole project for recomputation from scratch at the next refresh."""
+    conn.execute(insert(_QUEUE), {"run_id": None, "project": project})
+
+
+def refresh(conn: Connection) -> int:
+    """Bring every ablation up to date with the runs queued so far; returns the entries taken.
+
+    Runs in the caller's transaction, which it commits."""
+    if conn.execute(select(_QUEUE.c.id).limit(1)).first() is None:
+        return 0                    # nothing queued: no lock taken (another writer may hold it)
+    _lock(conn)
+    queued = conn.execute(select(_QUEUE.c.id, _QUEUE.c.run_id, _QUEUE.c.project)).all()
+    if not queued:
+        return 0
+    whole = {q.project for q in queued if q.run_id is None}
+    for project in sorted(whole):
+        rebuild(conn, project)
+    runs = {q.run_id for q in queued if q.run_id is not None}
+    if runs:
+        _Refresh(conn, whole).run(runs)
+    # exactly the entries read: one queued meanwhile by a writer that committed after the read
+    # (ids are not committed in order on Postgres) stays for the next refresh
+    for chunk in _chunks([q.id for q in queued]):
+        conn.execute(delete(_QUEUE).where(_QUEUE.c.id.in_(chunk)))
+    return len(queued)
+
+
+def rebuild(conn: Connection, project: str) -> list[dict]:
+    """Recompute a project's ablations from scratch (the reference the incremental refresh
+    equals); returns them."""
+    runs = conn.execute(select(*_READ).where(_RUNS.c.project == project)).all()
+    ids = [r.id for r in runs]
+    for chunk in _chunks(ids):
+        conn.execute(delete(_SIG).where(_SIG.c.run_id.in_(chunk)))
+    known: dict = {}
+    _write_sigs(conn, group_runs(project, runs, known))
+    old = set(conn.execute(select(_ABL.c.id).where(_ABL.c.project == project)).scalars())
+    found = find_ablations(project, runs, known)
+    _replace(conn, old, found, set(ids))
+    return found
+
+
+def _lock(conn: Connection) -> None:
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": LOCK_KEY})
+    else:
+        # a write takes SQLite's write lock now (waiting out another writer), whatever began the
+        # transaction; every read after it sees the last refresh's commit
+        conn.execute(update(_QUEUE).where(text("1 = 0")).values(run_id=_QUEUE.c.run_id))
+
+
+class _Refresh:
+    """One incremental refresh: the queued runs' buckets and tags, found, redone and written."""
+
+    def __init__(self, conn: Connection, skip: set[str]):
+        self.conn, self.skip = conn, skip           # skip: projects rebuilt whole just now
+        self.rows: dict[str, object] = {}          # run id -> its row (id, project, config, ...)
+        self.sigs: dict[int, list[tuple[str, str]]] = {}     # bucket -> [(run id, key)]
+        self._grouped: dict[str, Config] | None = None
+        self.known: dict = {}                       # run id -> its config's parts, hashed once
+
+    def run(self, queued: set[str]) -> None:
+        conn = self.conn
+        self._load(queued)
+        live = [self.rows[r] for r in sorted(queued) if r in self.rows and self.rows[r].project not in self.skip]
+        # 1. the queued runs' buckets, rewritten (a rebuilt project's are written already)
+        for chunk in _chunks(sorted(r for r in queued if r not in self.rows or self.rows[r].project not in self.skip)):
+            conn.execute(delete(_SIG).where(_SIG.c.run_id.in_(chunk)))
+        by_project: dict[str, list] = defaultdict(list)
+        for r in live:
+            by_project[r.project].append(r)
+        mine = [(p, c) for p, rs in by_project.items() for c in group_runs(p, rs, self.known)]
+        _write_sigs(conn, [c for _, c in mine])
+        # 2. what to redo
+        old = {a.id: a for a in self._ablations_holding(queued) if a.project not in self.skip}
+        self._look_up({c.total for _, c in mine} | {c.bucket(k) for _, c in mine for k in c.sig})
+        todo: set[tuple[str, str, int]] = set()          # (project, key, bucket)
+        for p, c in mine:
+            same = {rid for rid, key in self.sigs.get(c.total, ()) if key == ""}
+            for k in c.sig:
+                b = c.bucket(k)
+                if any(key in (k, "") and rid not in same for rid, key in self.sigs.get(b, ())):
+                    todo.add((p, k, b))
+            todo.update((p, key, c.total) for rid, key in self.sigs.get(c.total, ()) if key)
+        tags = {(r.project, f) for r in live for f in tagged_factors(r.tags)}
+        for a in old.values():
+            if a.bucket is None:
+                tags.add((a.project, a.factor))
+            else:
+                todo.add((a.project, a.factor[len("config."):], a.bucket % (1 << 64)))
+        # the ablations now in those buckets, and what they replace
+        self._look_up({b for _, _, b in todo})
+        self._load({rid for _, k, b in todo for rid, key in self.sigs.get(b, ()) if key in (k, "")})
+        replaced = dict(old)
+        for a in self._in_buckets(todo):
+            replaced[a.id] = a
+        configs = self._configs()
+        found: dict[str, dict] = {}
+        for p, k, b in sorted(todo):
+            held = {id(c): c for rid, key in self.sigs.get(b, ()) if key in (k, "") and rid in configs
+                    and self.rows[rid].project == p for c in [configs[rid]]}
+            for a in bucket_ablations(p, k, b, list(held.values())):
+                found[a["id"]] = a
+        # a config ablation that gains or loses runs may now hold exactly a tag's runs, or no longer
+        tags |= {(a.project, name_of(a.factor)) for a in replaced.values() if a.bucket is not None}
+        tags |= {(a["project"], name_of(a["factor"])) for a in found.values()}
+        self._redo_tags(tags, replaced, found)
+        _replace(conn, set(replaced), list(found.values()), set(queued))
+
+    def _redo_tags(self, tags: set[tuple[str, str]], replaced: dict, found: dict) -> None:
+        """Tag ablations of (project, factor) pairs: the old replaced, the new into `found`."""
+        if not tags:
+            return
+        tagged = self._tagged(tags)                       # (project, factor) -> run ids
+        for a in self._tag_ablations(tags):
+            replaced[a.id] = a
+        self._load({rid for ids in tagged.values() for rid in ids})
+        configs = self._configs()
+        covered, config_ids = self._covered(tagged, replaced, found)
+        for (p, f), ids in sorted(tagged.items()):
+            rows = [self.rows[rid] for rid in ids if rid in self.rows and self.rows[rid].project == p]
+            runs = [r for r in rows for g in tagged_factors(r.tags) if g == f]      # once per tag, as ever
+            a = tag_ablation(p, f, runs, configs, covered)
+            if a is not None and a["id"] not in config_ids:    # a tag `ablation:config.x` on a config ablation
+                found[a["id"]] = a
+
+    def _covered(self, tagged: dict, replaced: dict, found: dict) -> tuple[set[tuple], set[str]]:
+        """`covered_by` and the ids of the config ablations (as they will be) holding a tagged run."""
+        runs = {rid for ids in tagged.values() for rid in ids}
+        keep = [{"id": a.id, "factor": a.factor, "variants": a.variants}
+                for a in self._ablations_holding(runs) if a.id not in replaced and a.bucket is not None]
+        held = keep + [a for a in found.values() if a["bucket"] is not None]
+        return {covered_by(a) for a in held}, {a["id"] for a in held}
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def _load(self, ids: Iterable[str]) -> None:
+        missing = sorted(set(ids) - set(self.rows))
+        for chunk in _chunks(missing):
+            for r in self.conn.execute(select(*_READ).where(_RUNS.c.id.in_(chunk))):
+                self.rows[r.id] = r
+        self._grouped = None
+
+    def _configs(self) -> dict[str, Config]:
+        """Every loaded run's config, grouped per project once (configs compare in full once)."""
+        if self._grouped is None:
+            by_project: dict[str, list] = defaultdict(list)
+            for r in self.rows.values():
+                by_project[r.project].append(r)
+            self._grouped = {r.id: c for p, rs in by_project.items() for c in group_runs(p, rs, self.known)
+                            for r in c.runs}
+        return self._grouped
+
+    def _look_up(self, buckets: set[int]) -> None:
+        """The AblationSig rows of these buckets, into self.sigs."""
+        wanted = sorted({signed(b) for b in buckets} - {signed(b) for b in self.sigs})
+        for b in wanted:
+            self.sigs[b % (1 << 64)] = []
+        for chunk in _chunks(wanted):
+            for b, rid, key in self.conn.execute(select(_SIG.c.bucket, _SIG.c.run_id, _SIG.c.key)
+                                                 .where(_SIG.c.bucket.in_(chunk))):
+                self.sigs[b % (1 << 64)].append((rid, key))
+
+    def _ablations_holding(self, runs: Iterable[str]) -> list:
+        out = {}
+        for chunk in _chunks(sorted(set(runs))):
+            held = select(_MEMBER.c.ablation_id).where(_MEMBER.c.run_id.in_(chunk))
+            for a in self.conn.execute(select(*_ABL_READ).where(_ABL.c.id.in_(held))):
+                out[a.id] = a
+        return list(out.values())
+
+    def _in_buckets(self, todo: set[tuple[str, str, int]]) -> list:
+        """The stored config ablations of these buckets (what recomputing them replaces)."""
+        wanted = {(p, f"config.{k}", signed(b)) for p, k, b in todo}
+        out = []
+        for chunk in _chunks(sorted({b for _, _, b in wanted})):
+            for a in self.conn.execute(select(*_ABL_READ).where(_ABL.c.bucket.in_(chunk))):
+                if (a.project, a.factor, a.bucket) in wanted:
+                    out.append(a)
+        return out
+
+    def _tag_ablations(self, tags: set[tuple[str, str]]) -> list:
+        out = []
+        for chunk in _chunks(sorted({f for _, f in tags})):
+            for a in self.conn.execute(select(*_ABL_READ).where(_ABL.c.factor.in_(chunk), _ABL.c.bucket.is_(None))):
+                if (a.project, a.factor) in tags:
+                    out.append(a)
+        return out
+
+    def _tagged(self, tags: set[tuple[str, str]]) -> dict[tuple[str, str], list[str]]:
+        """The runs each (project, factor) tag is on, by their `tags."ablation:<factor>"` fields."""
+        keys = {canonical(("tags", TAG + f)): f for _, f in tags}
+        out: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for chunk in _chunks(sorted(keys)):
+            stmt = (select(RunField.key, _RUNS.c.id, _RUNS.c.project)
+                    .join(_RUNS, _RUNS.c.id == RunField.run_id).where(RunField.key.in_(chunk)))
+            for key, rid, project in self.conn.execute(stmt):
+                if (project, keys[key]) in tags:
+                    out[(project, keys[key])].append(rid)
+        for pf in tags:
+            out.setdefault(pf, [])
+        return out
+
+
+# ---- writes -----------------------------------------------------------------------------------
+
+
+def _write_sigs(conn: Connection, configs: list[Config]) -> None:
+    rows = []
+    for c in configs:
+        for r in c.runs:
+            rows.append((signed(c.total), r.id, 0, ""))
+            rows.extend((signed(c.bucket(k)), r.id, slot, k) for slot, k in enumerate(c.sig, start=1))
+    _insert(conn, "ablationsig", ("bucket", "run_id", "slot", "key"), rows)
+
+
+def _replace(conn: Connection, old: set[str], new: list[dict], touched: set[str]) -> None:
+    """Old ablations out, new in, and the `ablations.*` fields of every run either holds (and of
+    `touched`) written again from all the ablations it is in now."""
+    members = set(touched)
+    for chunk in _chunks(sorted(old)):
+        members.update(conn.execute(select(_MEMBER.c.run_id).where(_MEMBER.c.ablation_id.in_(chunk))).scalars())
+        conn.execute(delete(_MEMBER).where(_MEMBER.c.ablation_id.in_(chunk)))
+        conn.execute(delete(_ABL).where(_ABL.c.id.in_(chunk)))
+    if new:
+        conn.execute(insert(_ABL), new)
+    links = sorted({(rid, a["id"]) for a in new for v in a["variants"] for rid in v["runs"]})
+    members.update(rid for rid, _ in links)
+    _insert(conn, "ablationrun", ("run_id", "ablation_id"), links)
+    # fields from every ablation each member is in (a name two ablations share goes to the later)
+    ids = sorted(members)
+    prefix = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunField.key) < "ablations/")
+    holding: dict[str, dict] = {}
+    for chunk in _chunks(ids):
+        conn.execute(delete(RunField).where(RunField.run_id.in_(chunk), prefix))
+        held = select(_MEMBER.c.ablation_id).where(_MEMBER.c.run_id.in_(chunk))
+        for a in conn.execute(select(*_ABL_READ).where(_ABL.c.id.in_(held))):
+            holding[a.id] = {"id": a.id, "factor": a.factor, "bucket": a.bucket, "variants": a.variants}
+    per_run = run_fields(list(holding.values()))
+    rows = [row for rid in ids if rid in per_run for row in field_tuples(rid, {"ablations": per_run[rid]})]
+    _insert(conn, "runfield", FIELD_COLUMNS, rows)
+
+
+def _insert(conn: Connection, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+    """executemany straight on the driver, as the run writer does (SQLAlchemy's per-row parameter
+    handling cost more than the inserts)."""
+    if rows:
+        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+        cols = ", ".join(f'"{c}"' for c in columns)
+        conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) VALUES ({', '.join([mark] * len(columns))})", rows)
+
+
+def _chunks(items: list) -> Iterator[list]:
+    items = list(items)
+    for i in range(0, len(items), CHUNK):
+        yield items[i:i + CHUNK]
+
+
+# ---- inspection -------------------------------------------------------------------------------
+
+
+def snapshot(conn: Connection, project: str) -> dict:
+    """What a project's ablations left in SQL, less the time each was written: equal snapshots
+    are equal ablations, members, bucket rows and `ablations.*` fields."""
+    runs = select(_RUNS.c.id).where(_RUNS.c.project == project)
+    ablations = {a.id: {k: v for k, v in a._mapping.items() if k != "ingested_at"}
+                 for a in conn.execute(select(_ABL).where(_ABL.c.project == project))}
+    members = sorted(conn.execute(select(_MEMBER.c.run_id, _MEMBER.c.ablation_id)
+                                  .where(_MEMBER.c.ablation_id.in_(select(_ABL.c.id).where(_ABL.c.project == project))))
+                     .all())
+    prefix = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunField.key) < "ablations/")
+    fields = sorted(tuple(r) for r in conn.execute(select(*RunField.__table__.c).where(RunField.run_id.in_(runs), prefix)))
+    sigs = sorted(tuple(r) for r in conn.execute(select(_SIG).where(_SIG.c.run_id.in_(runs))))
+    return {"ablations": ablations, "members": [tuple(m) for m in members], "fields": fields, "sigs": sigs}
