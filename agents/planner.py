@@ -25,7 +25,7 @@ from sqlalchemy import literal, select, union_all
 from agents.evidence import NO_EVIDENCE, Answer, Citation
 from agents.planner_parse import Plan, follow_up, parse
 from agents.planner_sql import GROUP_MEMBERS, run, statement
-from agents.planner_words import HIGHER_IS_BETTER
+from agents.planner_words import HIGHER_IS_BETTER, label
 from agents.sql import ReadOnlySQL, SQLResult
 
 MAX_QUESTION = 500       # characters; longer is prose for the retriever, not a quantitative question
@@ -49,14 +49,14 @@ def plan_and_answer(question: str, kb, *, context: Any = None, sql: ReadOnlySQL 
         return None
     ro = sql or ReadOnlySQL(kb.settings.sql_url)
     try:
-        cache: dict[str, tuple[str, str]] = {}
+        known: dict[str, tuple[str, str] | None] = {}      # one lookup per word, for both parses
 
         def linker(words: list[str]) -> dict[str, tuple[str, str]]:
-            todo = [w for w in dict.fromkeys(words) if w not in cache]
+            todo = [w for w in dict.fromkeys(words) if w not in known]
             if todo:
-                cache.update({w: ("", "") for w in todo})
-                cache.update(link_words(ro, todo))
-            return {w: cache[w] for w in words if cache.get(w, ("", ""))[0]}
+                found = link_words(ro, todo)
+                known.update({w: found.get(w) for w in todo})
+            return {w: known[w] for w in words if known.get(w)}
 
         previous = _previous(context)
         plan = None
@@ -128,11 +128,6 @@ def fmt(value: Any, computed: bool = False) -> str:
             return str(int(value))
         return f"{value:.12g}" if computed else repr(value)
     return "null" if value is None else str(value)
-
-
-def label(key: str) -> str:
-    """summary.val/loss -> val/loss, hparams.lr -> lr: the canonical name people say."""
-    return key.split(".", 1)[1] if "." in key else key
 
 
 def scope(plan: Plan) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from agents.planner_words import DEFAULT_METRIC, HIGHER_IS_BETTER, OUTCOME_WORDS, Item, Linker, items, link
+from agents.planner_words import DEFAULT_METRIC, HIGHER_IS_BETTER, OUTCOME_WORDS, Item, Linker, items, label, link
 
 # Nominal model sizes name a family, not a count: GPT-2 "125M" is 124.4M or 123.6M depending on
 # how the embeddings are counted. ±10% takes those in, and the usual ladder (125M, 350M, 760M,
@@ -70,10 +70,6 @@ def _band(value: float, rel: float) -> tuple[float, float]:
     return (min(lo, hi), max(lo, hi))
 
 
-def _label(key: str) -> str:
-    return key.split(".", 1)[1] if "." in key else key
-
-
 def _next(its: list[Item], j: int) -> int:
     """The index of the next item that is not an article."""
     while j < len(its) and its[j].kind == "filler" and its[j].text.lower() in ("the", "a", "an"):
@@ -105,19 +101,22 @@ def _number_of(it: Item) -> float:
     return it.value[0] if it.kind == "scale" else it.value
 
 
+CMP_WORDS = {"<": "below", "<=": "at most", ">": "above", ">=": "at least"}
+
+
 def _describe(key: str, op: str, texts: list[str]) -> str:
-    name = _label(key)
+    name = label(key)
     if key == "scale.params":
         return "at " + " or ".join(f"~{t} params" for t in texts) if op == "near" else \
-            f"with params {op} {texts[0]}"
+            f"with params {CMP_WORDS.get(op, op)} {texts[0]}"
     if key == "scale.tokens":
         return "trained on " + " or ".join(f"~{t} tokens" for t in texts) if op == "near" else \
-            f"with tokens {op} {texts[0]}"
+            f"with tokens {CMP_WORDS.get(op, op)} {texts[0]}"
     if op == "near":
         return f"with {name} " + " or ".join(texts)
     if op == "between":
         return f"with {name} between {texts[0]} and {texts[1]}"
-    return f"with {name} {op} {texts[0]}"
+    return f"with {name} {CMP_WORDS.get(op, op)} {texts[0]}"
 
 
 def constraints(its: list[Item], grouping: bool) -> list[Constraint]:
@@ -128,7 +127,7 @@ def constraints(its: list[Item], grouping: bool) -> list[Constraint]:
         if it.kind != "qty" or it.used:
             continue
         j = _next(its, i + 1)
-        if j < len(its) and its[j].kind == "cmp" and (k := _next(its, j + 1)) < len(its) and its[k].kind in ("num", "scale"):
+        if j < len(its) and its[j].kind == "cmp" and (k := _next(its, j + 1)) < len(its) and _values(its, k, it.value)[0]:
             out.append(Constraint(it.value, its[j].value, (_number_of(its[k]),),
                                   _describe(it.value, its[j].value, [its[k].text])))
             it.used = its[j].used = its[k].used = True
@@ -414,9 +413,10 @@ def _use(its: list[Item], *kinds: str) -> None:
             it.used = True
 
 
-# what may be left over: words that carry no constraint of their own
+# what may be left over: words that carry no constraint of their own ("over" also reads as the
+# preposition: "mean val loss over the 125M runs")
 HARMLESS = {"filler", "wh", "soft", "conj", "by", "between"}
 
 
 def _all_understood(its: list[Item]) -> bool:
-    return all(it.used or it.kind in HARMLESS for it in its)
+    return all(it.used or it.kind in HARMLESS or (it.kind == "cmp" and it.text.lower() == "over") for it in its)

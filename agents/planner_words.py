@@ -50,6 +50,11 @@ HIGHER_IS_BETTER = {"summary.val/accuracy", "summary.train/accuracy", "summary.m
 DEFAULT_METRIC = "summary.val/loss"
 
 
+def label(key: str) -> str:
+    """summary.val/loss -> val/loss, hparams.lr -> lr: the canonical name people say."""
+    return key.split(".", 1)[1] if "." in key else key
+
+
 @dataclass
 class Item:
     kind: str
@@ -210,7 +215,7 @@ def items(question: str) -> list[Item]:
     while i < len(toks):
         text, quoted = toks[i]
         if quoted:
-            out.append(Item("word", text, "quoted"))
+            out.append(Item("word", text))           # a name: only the linker reads it
             i += 1
             continue
         if (num := _number(low, i)) is not None:
@@ -263,7 +268,6 @@ def _number(low: list[str], i: int) -> tuple[Item, int] | None:
             return Item("word", text), end
         return Item("scale", text, (value, UNITS.get(unit or "params", "scale.params"))), end
     return Item("num", text, value), end
-
 
 
 Linker = Callable[[list[str]], dict[str, tuple[str, str]]]

@@ -21,7 +21,6 @@ from agents.evidence import NO_EVIDENCE
 from agents.planner import fmt, plan_and_answer
 from agents.planner_parse import Plan, parse
 from agents.sql import ReadOnlySQL
-from kb.models import Run
 
 PARAMS = {"125M": 124_439_808, "350M": 354_823_168, "1.3B": 1_313_722_368}
 TOKENS = {"125M": 2_500_000_000, "350M": 7_000_000_000, "1.3B": 26_000_000_000}
