@@ -129,7 +129,8 @@ _phrases("outcome", "loss_spike", "loss spike", "loss spikes", "spiked", "spike"
 _phrases("outcome", "grad_spike", "grad spike", "grad spikes", "gradient spike", "gradient spikes",
          "grad norm spike", "grad norm spikes", "gradient norm spike")
 _phrases("outcome", "plateau", "plateau", "plateaued", "plateaus", "stalled")
-_phrases("wh", None, "which", "what", "who", "list", "show", "name", "tell me", "give me", "find")
+_phrases("wh", None, "which", "what", "who", "list", "show", "name", "tell me", "give me", "find",
+         "did any", "were any", "was any", "have any", "has any", "are there", "is there", "were there", "was there")
 _phrases("filler", None, *"""the a an model models for in on among amongst from to our my we us you i all any each every
     run runs experiment experiments trained train training trainings did do does done had has have having
     are be been being gave give gives giving got get gets getting reach reached reaches achieve achieved
@@ -137,7 +138,7 @@ _phrases("filler", None, *"""the a an model models for in on among amongst from 
     final finally overall total value values result results there this that those these it its ever so far
     scale scales size sized sizes used use uses using tried try tries tested sweep swept sweeps ran
     launched one ones about how when where then now also only just than as up out seen reported logged
-    measured recorded their they them both same""".split(),
+    measured recorded their they them both same hit hits""".split(),
          "what about", "how about", "same for", "same question for", "so far", "and what about", "and for",
          "please")
 PHRASE_MAX = max(map(len, PHRASES))

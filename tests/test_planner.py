@@ -16,11 +16,15 @@ import re
 import statistics
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agents.evidence import NO_EVIDENCE
 from agents.planner import fmt, plan_and_answer
 from agents.planner_parse import Plan, parse
-from agents.sql import ReadOnlySQL
+from agents.planner_sql import BUILDERS, statement
+from agents.planner_words import PHRASES
+from agents.sql import ReadOnlySQL, check_select, render
 
 PARAMS = {"125M": 124_439_808, "350M": 354_823_168, "1.3B": 1_313_722_368}
 TOKENS = {"125M": 2_500_000_000, "350M": 7_000_000_000, "1.3B": 26_000_000_000}
@@ -281,3 +285,21 @@ def test_a_follow_up_that_could_stand_alone_keeps_the_previous_constraints(histo
     assert b.plan.group == "hparams.warmup_steps" and b.plan.where == means.plan.where
     diff = ask(history, "What changed between norm-layernorm and norm-rmsnorm?")
     assert ask(history, "and at 350M?", context=diff.plan) is None     # a diff has no scale to change
+    assert parse("Did any run at 7B diverge?").shape == "runs"
+
+
+WORDS = [" ".join(p) for p in PHRASES] + ["125M", "1.3B", "3e-4", "0.0003", "1000", "val loss", "lr", "warmup",
+                                           "run-1", "'a b'", "million", "10k", "=", "<", "?", "non-diverged"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(WORDS) | st.text(max_size=8), max_size=10))
+def test_any_question_parses_to_a_plan_or_none_and_every_plan_renders(words):
+    """Whatever is typed: no exception, and a plan always becomes one SELECT on both databases."""
+    question = " ".join(words)
+    link = lambda ws: {w: ("run", w) for w in ws if w.startswith("run-")}     # noqa: E731
+    plan = parse(question, link)
+    if plan is not None:
+        assert plan.shape in BUILDERS
+        for dialect in ("sqlite", "postgresql"):
+            check_select(render(statement(plan), dialect))
