@@ -22,6 +22,7 @@ the exact text that ran, with every literal in place, so an answer can show runn
 """
 from __future__ import annotations
 
+import math
 import re
 import sqlite3
 import time
@@ -174,7 +175,7 @@ class ReadOnlySQL:
         self.dialect = backend
         self.max_rows, self.timeout_ms = max_rows, timeout_ms
         self._conn = None
-        self._deadline = 0.0
+        self._deadline = math.inf       # set for each query; none outside one
 
     def __enter__(self) -> "ReadOnlySQL":
         return self
@@ -216,8 +217,11 @@ class ReadOnlySQL:
         path = self.url.database
         if not path or path == ":memory:":
             raise AgentSQLError("agent SQL needs a database file (an in-memory SQLite has nothing to read)")
-        conn = sqlite3.connect(f"file:{pathname2url(path)}?mode=ro", uri=True, isolation_level=None,
-                               check_same_thread=False)
+        try:
+            conn = sqlite3.connect(f"file:{pathname2url(path)}?mode=ro", uri=True, isolation_level=None,
+                                   check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise AgentSQLError(f"cannot open {path} read-only: {exc}") from None
         conn.execute("PRAGMA query_only = ON")
         conn.set_authorizer(_sqlite_authorizer)
         # every 1,000 VM instructions: cheap next to the query, fine-grained enough to stop on time
@@ -237,6 +241,8 @@ class ReadOnlySQL:
             raise AgentSQLError(f"the database refused the query: {exc}") from None
         except (sqlite3.DatabaseError, sqlite3.Warning, sqlite3.ProgrammingError) as exc:
             raise AgentSQLError(f"the database refused the query: {exc}") from None
+        finally:
+            self._deadline = math.inf
         return columns, rows[:self.max_rows], len(rows) > self.max_rows
 
     # Postgres -----------------------------------------------------------------------------
@@ -245,7 +251,10 @@ class ReadOnlySQL:
         import psycopg
 
         conninfo = self.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
+        try:
+            conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
+        except psycopg.Error as exc:
+            raise AgentSQLError(f"cannot connect to {self.url.render_as_string()}: {str(exc).strip()}") from None
         # the session default too, so even a statement that escaped the BEGIN below reads only
         conn.execute("SET default_transaction_read_only = on")
         conn.execute(f"SET statement_timeout = {int(self.timeout_ms)}")

@@ -162,3 +162,9 @@ def test_render_matches_each_dialect(store):
     stmt = select(func.count()).select_from(Run).where(Run.project == "p")
     for dialect in ("sqlite", "postgresql"):
         assert "'p'" in render(stmt, dialect)
+
+
+def test_a_store_that_cannot_be_opened_is_a_domain_error(tmp_path):
+    with pytest.raises(AgentSQLError, match="read-only"):
+        ReadOnlySQL(f"sqlite:///{tmp_path / 'missing.sqlite'}").run("SELECT 1")
+    assert not (tmp_path / "missing.sqlite").exists()        # read-only: not even created
