@@ -28,7 +28,7 @@ from agents.verify import Claim, numbers_in, sentences, unsupported, values_of
 
 log = logging.getLogger(__name__)
 
-CONTEXT_CHUNKS = 4        # what the 135M default reads well in one prompt (~700 tokens)
+CONTEXT_CHUNKS = 3        # what the 135M default reads well in one prompt (~450 tokens, ~3 s of CPU)
 # words every question here uses: a match on these alone is no evidence of the topic
 GENERIC = frozenset(tokens(
     "run runs model models training train trained val validation eval loss losses learning rate lr "
@@ -140,7 +140,7 @@ class Agent:
         for s in out.get("sentences") or []:
             cites = [context[i - 1].key for i in s.get("sources") or [] if isinstance(i, int) and 1 <= i <= len(context)]
             text = re.sub(r"\s*\[\d+(?:,\s*\d+)*\]", "", str(s.get("text", ""))).strip()
-            if text:
+            if text and cites and _restates(text, [h.chunk for h in context if h.key in cites]):
                 claims.append(Claim(text, cites))
         return claims
 
@@ -230,12 +230,24 @@ def extract(question: str, context: list[Retrieved]) -> list[Claim]:
     claims = []
     for h in context[:3]:
         lines = [ln.strip() for ln in h.chunk.text.splitlines() if ln.strip()]
+        if h.chunk.kind == "note" and len(lines) > 1:
+            lines = lines[1:]        # a note chunk's first line is its title path, not a finding
         best = max(lines, key=lambda ln: len(wanted & set(tokens(ln))), default="")
         if best and wanted & set(tokens(best)):
             who = {"run": "Run", "note": "A note", "ablation": "An ablation", "failure": "A failure"}[h.chunk.kind]
             label = h.chunk.id if h.chunk.kind == "run" else ""
             claims.append(Claim(f"{who}{' ' + label if label else ''} records: {best.rstrip('.')}", [h.key]))
     return claims
+
+
+def _restates(sentence: str, cited: list[Chunk], share: float = 0.6) -> bool:
+    """A small model can write fluent sentences its sources never said; keep one only if most of
+    its content words are in the records it cites (numbers are checked apart, by verify)."""
+    words = [t for t in tokens(sentence) if not t[0].isdigit()]
+    if not words:
+        return False
+    source = set().union(*(tokens(c.text) for c in cited)) if cited else set()
+    return sum(w in source for w in words) / len(words) >= share
 
 
 def _quote(chunk: Chunk | None, claims: list[Claim], key: str) -> str:
@@ -258,5 +270,5 @@ def _kinds_for(question: str) -> set[str] | None:
     return None
 
 
-def _clip(text: str, limit: int = 700) -> str:
+def _clip(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
