@@ -52,7 +52,13 @@ KEYWORDS = {"and", "or", "not", "in", "exists", "true", "false", "null", "asc", 
 OPS = {"=": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
        ">": operator.gt, ">=": operator.ge}
 ORDERING = {"<", "<=", ">", ">="}
+# Limits, the same on every database (README, "The query language"). Past them a query is bad
+# input, never a database error: SQLite refuses an expression tree deeper than 1,000 and a join
+# of more than 64 tables, and SQLite 3.40 crashes on a join ordered by 64 or more terms.
 MAX_DEPTH = 64          # nesting deeper than any person writes; keeps recursion far from Python's limit
+MAX_TERMS = 2000        # comparisons, `exists` and `in` values: hundreds of ids in one `in` list fit
+MAX_SORT_KEYS = 16      # a sort key is up to 3 ORDER BY terms: 16 keep a sorted join under 64
+MAX_CHARS = 100_000     # query text; 2,000 uuids in an `in` list take 88,000
 
 Literal = Union[float, str, bool, None]
 Path = tuple[str, ...]
@@ -126,9 +132,38 @@ def vocabulary_key(name: str) -> Path | None:
     return None
 
 
+EXCERPT = 72            # characters of the query shown around an error's column
+
+
 def _fail(text: str, pos: int, message: str) -> QueryError:
-    col = pos + 1
-    return QueryError(f"{message} at column {col}\n  {text}\n  {' ' * pos}^")
+    """The message, then the query (a window of it when long) with a caret under the column."""
+    start = max(0, min(pos - EXCERPT // 2, len(text) - EXCERPT))
+    shown = "".join(_shown(c) for c in text[start:start + EXCERPT])
+    lead, tail = ("..." if start else ""), ("..." if start + EXCERPT < len(text) else "")
+    caret = " " * (len(lead) + pos - start) + "^"
+    return QueryError(f"{message} at column {pos + 1}\n  {lead}{shown}{tail}\n  {caret}")
+
+
+def _shown(c: str) -> str:
+    # one cell per character, so the caret stays under its column (and a stray byte prints)
+    return c if c.isprintable() else " " if c.isspace() else "?"
+
+
+UNENCODABLE = re.compile(r"[\x00\ud800-\udfff]")
+
+
+def _check_text(text: str) -> None:
+    """What no stored key or value can hold, and no database takes as a parameter: NUL (Postgres
+    text refuses it) and lone surrogates (no UTF-8 spelling; how Python passes on an argument's
+    invalid UTF-8 bytes)."""
+    if len(text) > MAX_CHARS:
+        raise QueryError(f"the query is {len(text):,} characters long; at most {MAX_CHARS:,} are allowed")
+    if m := UNENCODABLE.search(text):
+        cp = ord(m.group())
+        what = ("a NUL character (U+0000); no key or string in a query can hold one" if cp == 0 else
+                f"invalid UTF-8 (byte 0x{cp - 0xDC00:02x})" if 0xDC80 <= cp <= 0xDCFF else
+                f"a lone surrogate (U+{cp:04X}), which is not text")
+        raise _fail(text, m.start(), what)
 
 
 def tokenize(text: str) -> list[Token]:
@@ -223,7 +258,10 @@ def _key(text: str, start: int) -> Token:
 
 class _Parser:
     def __init__(self, text: str):
-        self.text, self.tokens, self.at, self.depth = text, tokenize(text), 0, 0
+        if not isinstance(text, str):
+            raise QueryError(f"a query is text, not {type(text).__name__}")
+        _check_text(text)
+        self.text, self.tokens, self.at, self.depth, self.terms = text, tokenize(text), 0, 0, 0
 
     @property
     def tok(self) -> Token:
@@ -239,13 +277,20 @@ class _Parser:
 
     def fail(self, expected: str, tok: Token | None = None, hint: str = "") -> QueryError:
         tok = tok or self.tok
-        got = "end of input" if tok.kind == "end" else repr(self.text[tok.pos:tok.end])
+        word = self.text[tok.pos:tok.end]
+        got = "end of input" if tok.kind == "end" else repr(word if len(word) <= 40 else word[:37] + "...")
         return _fail(self.text, tok.pos, f"expected {expected}, got {got}{hint}")
 
     def nest(self) -> None:
         self.depth += 1
         if self.depth > MAX_DEPTH:
             raise _fail(self.text, self.tok.pos, f"expression nests deeper than {MAX_DEPTH}")
+
+    def count(self, tok: Token) -> None:
+        self.terms += 1
+        if self.terms > MAX_TERMS:
+            raise _fail(self.text, tok.pos, f"the query has more than {MAX_TERMS:,} terms (each comparison, "
+                        f"'exists' and value in an 'in' list is one)")
 
     def expr(self) -> Node:
         items = [self.conj()]
@@ -282,6 +327,7 @@ class _Parser:
             return node
         if self.tok.kind != "key":
             raise self.fail("a key, 'not' or '('")
+        self.count(self.tok)
         key = self.key()
         if self.tok.kind == "op":
             op = self.take().value
@@ -337,9 +383,10 @@ class _Parser:
         if self.tok.kind != "(":
             raise self.fail("'(' after 'in'")
         self.take()
-        values = [self.literal(key, "=")]
+        values = [self.literal(key, "=")]       # the key counted as the first value's term
         while self.tok.kind == ",":
             self.take()
+            self.count(self.tok)
             values.append(self.literal(key, "="))
         if self.tok.kind != ")":
             raise self.fail("',' or ')'")
@@ -367,6 +414,8 @@ def parse_sort(spec: str) -> list[tuple[Path, bool]]:
             p.take()
         if p.tok.kind != "key":
             raise p.fail("a key to sort by")
+        if len(out) == MAX_SORT_KEYS:
+            raise _fail(spec, p.tok.pos, f"more than {MAX_SORT_KEYS} sort keys")
         key = p.key()
         if p.is_kw("asc", "desc"):
             if desc:

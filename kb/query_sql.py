@@ -93,6 +93,50 @@ def _unordered_postgres(element, compiler, **kw):
     return inner            # times: no index on a non-null time column to walk
 
 
+class parenthesised(FunctionElement):
+    """A condition in parentheses that SQLAlchemy keeps (it flattens a nested and_/or_ and its
+    Grouping away)."""
+    inherit_cache = True
+    name = "parenthesised"
+    type = NullType()       # as `driving`: no `= 1` after it on SQLite
+
+
+@compiles(parenthesised)
+def _parenthesised(element, compiler, **kw):
+    return f"({compiler.process(element.clauses, **kw)})"
+
+
+class standalone(FunctionElement):
+    """A top-level `IN (SELECT ...)` test kept as one: Postgres turns each such test of a
+    top-level `and` into a semi-join and searches join orders over all of them (64 took 1.5 s
+    to plan, 200 over a minute); `IS TRUE` (a no-op: the test is never NULL) leaves it a hashed
+    subplan, run once and probed per run. SQLite plans each one alone already."""
+    inherit_cache = True
+    name = "standalone"
+    type = NullType()
+
+
+@compiles(standalone)
+def _standalone_default(element, compiler, **kw):
+    return compiler.process(element.clauses, **kw)
+
+
+@compiles(standalone, "postgresql")
+def _standalone_postgres(element, compiler, **kw):
+    return f"({compiler.process(element.clauses, **kw)}) IS TRUE"
+
+
+FAN_IN = 8      # items per parenthesised group of a long `and`/`or`
+
+
+def _balanced(join, clauses: list) -> ColumnElement[bool]:
+    """and_/or_ over clauses as a tree of parenthesised groups: SQLite parses `a OR b OR c ...`
+    left-deep and refuses a tree deeper than 1,000, so a thousand terms take depth 8 * log8(n)."""
+    while len(clauses) > FAN_IN:
+        clauses = [parenthesised(join(*clauses[i:i + FAN_IN])) for i in range(0, len(clauses), FAN_IN)]
+    return join(*clauses)
+
+
 def compile_where(expr: str | Node) -> ColumnElement[bool]:
     """A boolean clause over Run for `select(Run).where(...)`; it never yields SQL NULL."""
     return _sql(parse(expr) if isinstance(expr, str) else expr)
@@ -100,9 +144,9 @@ def compile_where(expr: str | Node) -> ColumnElement[bool]:
 
 def _sql(node: Node) -> ColumnElement[bool]:
     if isinstance(node, Or):
-        return or_(*map(_sql, node.items))
+        return _balanced(or_, [_sql(n) for n in node.items])
     if isinstance(node, And):
-        return and_(*map(_sql, node.items))
+        return _balanced(and_, [_sql(n) for n in node.items])
     if isinstance(node, Not):
         return not_(_sql(node.expr))
     if node.key[0] in COLUMNS:
@@ -110,7 +154,7 @@ def _sql(node: Node) -> ColumnElement[bool]:
         if isinstance(node, Exists):
             return column.is_not(None) if _nullable(node.key[0]) else true()
         if isinstance(node, In):
-            return or_(*(_column_compare(node.key[0], "=", v) for v in node.values))
+            return _column_in(node.key[0], node.values)
         return _column_compare(node.key[0], node.op, node.value)
     key = canonical(node.key)
     if isinstance(node, Exists):
@@ -177,13 +221,33 @@ def _column_compare(name: str, op: str, lit: Literal) -> ColumnElement[bool]:
     elif kind == "s" and isinstance(lit, str):
         cond = OPS[op](codepoint(column) if op in ORDERING else column, lit)
     elif kind == "t" and isinstance(lit, str):
-        t = _as_time(lit)
-        # bind the way the column stores times: aware for timezone-aware types, naive UTC otherwise
-        aware = getattr(Run.__table__.c[COLUMNS[name][0]].type, "timezone", False)
-        cond = OPS[op](column, t if aware else t.replace(tzinfo=None))
+        cond = OPS[op](column, _time_param(name, lit))
     else:
         return false()                    # a literal of another type never matches
     return and_(column.is_not(None), cond) if _nullable(name) else cond
+
+
+def _column_in(name: str, values: tuple[Literal, ...]) -> ColumnElement[bool]:
+    """One IN list of the values of the column's type (hundreds of ids are one list, not an `or`)."""
+    column, kind = _column(name), COLUMNS[name][1]
+    if kind == "n":
+        params = [float(v) for v in values if _literal_type(v) == "n"]
+    elif kind == "s":
+        params = [v for v in values if isinstance(v, str)]
+    else:
+        params = [_time_param(name, v) for v in values if isinstance(v, str)]
+    if not params:
+        return false()
+    cond = column.in_(params)
+    return and_(column.is_not(None), cond) if _nullable(name) else cond
+
+
+def _time_param(name: str, lit: str):
+    """An ISO-8601 literal bound the way the column stores times: aware for timezone-aware
+    types, naive UTC otherwise."""
+    t = _as_time(lit)
+    aware = getattr(Run.__table__.c[COLUMNS[name][0]].type, "timezone", False)
+    return t if aware else t.replace(tzinfo=None)
 
 
 def compile_sort(spec: str) -> list:
@@ -246,9 +310,9 @@ def apply_query(stmt: Select, where: str | Node | None = None, sort: str | None 
     """stmt (a select over Run) filtered by `where` and ordered by `sort`, shaped for the planner.
 
     Same rows and order as `.where(compile_where(where)).order_by(*compile_sort(sort))`, but
-    each top-level `and` item that tests a RunField key (a comparison or `in`) becomes an inner
-    join to that key's row, and each RunField sort key a join to its row (outer unless a filter
-    already joins it). A run has at most one row per key ((key, run_id) is the primary key), so
+    each top-level `and` item that tests a RunField key (a comparison or `in`; the first
+    MAX_JOINED_KEYS keys) becomes an inner join to that key's row, and each RunField sort key a
+    join to its row (outer unless a filter already joins it). A run has at most one row per key ((key, run_id) is the primary key), so
     joins never duplicate a run. The plan starts from one joined test's index range (`driver`:
     its index among the joined tests, as `choose_driver` picks it; by default the first
     equality) and probes the other keys' rows by primary key, so its cost is the size of that
@@ -264,7 +328,7 @@ def apply_query(stmt: Select, where: str | Node | None = None, sort: str | None 
     for target, on, outer in plan.joins:
         stmt = stmt.join(target, on, isouter=outer)
     if plan.filters:
-        stmt = stmt.where(*plan.filters)
+        stmt = stmt.where(_balanced(and_, list(plan.filters)))
     return stmt.order_by(*plan.order) if plan.order else stmt
 
 
@@ -293,7 +357,7 @@ def _counts(where: str) -> Select | None:
     if len(tests) < 2:
         return None
     return select(*(select(func.count()).select_from(
-        select(literal(1)).where(RunField.key == k, *(_field_cond(n, RunField) for n in nodes))
+        select(literal(1)).where(_balanced(and_, [RunField.key == k, *(_field_cond(n, RunField) for n in nodes)]))
         .limit(DRIVER_COUNT_CAP).subquery()).scalar_subquery() for k, nodes in tests))
 
 
@@ -324,7 +388,7 @@ def _top_ids(where: str | None, sort: str, limit: int, driver: int | None) -> Se
     stmt = select(plan.base.run_id).select_from(plan.base)
     for target, on, outer in plan.joins:
         stmt = stmt.join(target, on, isouter=outer)
-    return stmt.where(*plan.filters).order_by(*plan.order).limit(limit)
+    return stmt.where(_balanced(and_, list(plan.filters))).order_by(*plan.order).limit(limit)
 
 
 @lru_cache(maxsize=256)
@@ -333,12 +397,21 @@ def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool
     # the clauses are immutable and bind their values as parameters, so sharing them is safe
     items = _conjuncts(parse(where)) if where else []
     tests: dict[str, list[Compare | In]] = {}        # canonical key -> the tests on its row
-    filters = []
+    more: dict[str, list[Compare | In]] = {}         # the same, for keys past MAX_JOINED_KEYS
+    filters, subqueries = [], []                     # subqueries: `run.id IN (SELECT ...)` tests
     for item in items:
         if isinstance(item, (Compare, In)) and item.key[0] not in COLUMNS:
-            tests.setdefault(canonical(item.key), []).append(item)
+            k = canonical(item.key)
+            (tests if k in tests or len(tests) < MAX_JOINED_KEYS else more).setdefault(k, []).append(item)
+        elif isinstance(item, Exists) and item.key[0] not in COLUMNS:
+            subqueries.append(_sql(item))
         else:
             filters.append(_sql(item))
+    for k, nodes in more.items():                    # one subquery per key: a run has one row per key
+        subqueries.append(Run.id.in_(select(RunField.run_id).where(
+            _balanced(and_, [RunField.key == k, *(_field_cond(n, RunField) for n in nodes)]))))
+    room = max(0, MAX_JOINED_KEYS - len(tests))      # what a planner joins: the keys, then subqueries
+    filters += subqueries[:room] + [standalone(q) for q in subqueries[room:]]
     sort_keys = parse_sort(sort) if sort else []
     if runless and (filters or not tests or not sort_keys or any(key[0] in COLUMNS for key, _ in sort_keys)):
         return None
@@ -355,7 +428,7 @@ def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool
     joins, rows = [], {}                             # canonical key -> (alias, pinned vtype)
     for i, (k, nodes) in enumerate(tests.items()):
         f = aliases[k]
-        cond = and_(f.key == k, *(_field_cond(n, f, i == driver and not walk) for n in nodes))
+        cond = _balanced(and_, [f.key == k, *(_field_cond(n, f, i == driver and not walk) for n in nodes)])
         if f is base:
             filters.append(cond)
         else:
@@ -363,8 +436,8 @@ def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool
         # the same tests on any run, implied by the join: uncorrelated, so evaluated once before
         # the join; a value no run has (an lr never tried) then ends the query at once
         # (SELECT key, not *: the (key, vtype, num) index then answers it alone)
-        filters.append(select(RunField.key).where(RunField.key == k, *(_field_cond(n, RunField) for n in nodes))
-                       .exists())
+        filters.append(select(RunField.key).where(
+            _balanced(and_, [RunField.key == k, *(_field_cond(n, RunField) for n in nodes)])).exists())
         types = set.intersection(*({_literal_type(v) for v in _literals(n)} for n in nodes))
         rows[k] = f, (types.pop() if len(types) == 1 else None)
     order: list = []
@@ -383,6 +456,12 @@ def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool
     if order:
         order.append(codepoint(anchor).asc())
     return _Plan(tuple(joins), tuple(filters), tuple(order), tuple((k, tuple(v)) for k, v in tests.items()), base)
+
+
+# keys joined for their tests (and, past them, the subqueries a planner may join): with the
+# sort keys' joins (kb.query.MAX_SORT_KEYS) far under SQLite's 64 tables, and as many as
+# Postgres reorders (join_collapse_limit); a plan over more keys is no better for it
+MAX_JOINED_KEYS = 8
 
 
 @lru_cache(maxsize=None)
