@@ -30,6 +30,9 @@ from kb.fields import FIELD_COLUMNS, canonical, field_tuples
 from kb.models import Ablation, AblationPending, AblationRun, AblationSig, Run, RunField
 from kb.query_sql import codepoint
 
+# a run's `ablations.*` fields by code-point key range, which the (key, run_id) primary key
+# serves (LIKE is case-blind on SQLite, so no index can)
+ABLATION_FIELDS = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunField.key) < "ablations/")
 LOCK_KEY = 7243002          # Postgres advisory lock of the refresh (7243001 guards migrations)
 CHUNK = 500                 # ids per IN list (Postgres takes 65,535 parameters, old SQLite 999)
 
@@ -190,7 +193,8 @@ class _Refresh:
         for chunk in _chunks(missing):
             for r in self.conn.execute(select(*_READ).where(_RUNS.c.id.in_(chunk))):
                 self.rows[r.id] = r
-        self._grouped = None
+        if missing:
+            self._grouped = None
 
     def _configs(self) -> dict[str, Config]:
         """Every loaded run's config, grouped per project once (configs compare in full once)."""
@@ -280,10 +284,9 @@ def _replace(conn: Connection, old: set[str], new: list[dict], touched: set[str]
     _insert(conn, "ablationrun", ("run_id", "ablation_id"), links)
     # fields from every ablation each member is in (a name two ablations share goes to the later)
     ids = sorted(members)
-    prefix = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunField.key) < "ablations/")
     holding: dict[str, dict] = {}
     for chunk in _chunks(ids):
-        conn.execute(delete(RunField).where(RunField.run_id.in_(chunk), prefix))
+        conn.execute(delete(RunField).where(RunField.run_id.in_(chunk), ABLATION_FIELDS))
         held = select(_MEMBER.c.ablation_id).where(_MEMBER.c.run_id.in_(chunk))
         for a in conn.execute(select(*_ABL_READ).where(_ABL.c.id.in_(held))):
             holding[a.id] = {"id": a.id, "factor": a.factor, "bucket": a.bucket, "variants": a.variants}
@@ -319,7 +322,7 @@ def snapshot(conn: Connection, project: str) -> dict:
     members = sorted(conn.execute(select(_MEMBER.c.run_id, _MEMBER.c.ablation_id)
                                   .where(_MEMBER.c.ablation_id.in_(select(_ABL.c.id).where(_ABL.c.project == project))))
                      .all())
-    prefix = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunField.key) < "ablations/")
-    fields = sorted(tuple(r) for r in conn.execute(select(*RunField.__table__.c).where(RunField.run_id.in_(runs), prefix)))
+    fields = sorted(tuple(r) for r in conn.execute(select(*RunField.__table__.c)
+                                                   .where(RunField.run_id.in_(runs), ABLATION_FIELDS)))
     sigs = sorted(tuple(r) for r in conn.execute(select(_SIG).where(_SIG.c.run_id.in_(runs))))
     return {"ablations": ablations, "members": [tuple(m) for m in members], "fields": fields, "sigs": sigs}

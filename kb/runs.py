@@ -12,11 +12,11 @@ import re
 from typing import Any, Literal
 
 from pydantic import ConfigDict
-from sqlalchemy import bindparam, delete, select
+from sqlalchemy import bindparam, delete, not_, select
 from sqlmodel import Session
 
 from kb import curves, vocab
-from kb.ablation_store import queue_run
+from kb.ablation_store import ABLATION_FIELDS, queue_run
 from kb.cards import run_card
 from kb.fields import FIELD_COLUMNS, field_tuples
 from kb.indexer import queue_index
@@ -77,8 +77,11 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
     if stored == digest:
         return "unchanged", run_id
     if stored is not None:
-        for table in (RunField, MetricPoint, Failure, Anomaly):
+        for table in (MetricPoint, Failure, Anomaly):
             session.execute(delete(table).where(table.run_id == run_id))
+        # its ablations.* fields are the refresh's to rewrite: a writer never locks rows a
+        # refresh in another transaction is writing (two such waits made a Postgres deadlock)
+        session.execute(delete(RunField).where(RunField.run_id == run_id, not_(ABLATION_FIELDS)))
 
     metrics = {k: [tuple(p) for p in pts] for k, pts in record.metrics.items()}
     cv = curves.Curves(metrics)         # each curve's arrays built once for all three
