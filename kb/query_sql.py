@@ -27,6 +27,8 @@ from kb.query import (COLUMNS, OPS, ORDERING, And, Compare, Exists, In, Literal,
 
 # ---- SQL ----------------------------------------------------------------------------------
 
+_RF = RunField.__table__.c      # Core columns for the subqueries: an ORM select compiles ~2x slower
+
 class codepoint(FunctionElement):
     """Text in code-point order: COLLATE "C" on Postgres; SQLite's default BINARY already is."""
     inherit_cache = True
@@ -160,10 +162,10 @@ def _sql(node: Node) -> ColumnElement[bool]:
     if isinstance(node, Exists):
         # a prefix match by code-point range ('k.' <= key < 'k/'), not LIKE: SQLite's LIKE
         # ignores ASCII case, so `config.Optim exists` would match config.optim.lr
-        under = and_(codepoint(RunField.key) >= key + ".", codepoint(RunField.key) < key + "/")
-        return Run.id.in_(select(RunField.run_id).where(or_(RunField.key == key, under)))
+        under = and_(codepoint(_RF.key) >= key + ".", codepoint(_RF.key) < key + "/")
+        return Run.id.in_(select(_RF.run_id).where(or_(_RF.key == key, under)))
     # IN (subquery) keeps the logic two-valued (run_id is never NULL) and uses the (key, vtype, ...) indexes
-    return Run.id.in_(select(RunField.run_id).where(RunField.key == key, _field_cond(node, RunField)))
+    return Run.id.in_(select(_RF.run_id).where(_RF.key == key, _field_cond(node, _RF)))
 
 
 def _field_cond(node: Compare | In, f, drive: bool = False) -> ColumnElement[bool]:
@@ -301,8 +303,16 @@ class _Plan:
     joins: tuple            # (alias of RunField, ON clause, outer?)
     filters: tuple          # WHERE clauses
     order: tuple            # ORDER BY clauses, empty without a sort
-    tests: tuple            # (canonical key, test nodes) per joined test, in join order
     base: object = None     # top_ids: the driving test's alias, the query's FROM
+
+
+@dataclass(frozen=True)
+class _Items:
+    """A where clause's top-level `and` items by how the plan takes them (nodes, no SQL yet)."""
+    tests: tuple            # (canonical key, test nodes) per joined key, in join order
+    more: tuple             # the same for the keys past MAX_JOINED_KEYS: a subquery each
+    exists: tuple           # `exists` on RunField keys: a subquery each
+    other: tuple            # `or`, `not`, run column tests
 
 
 def apply_query(stmt: Select, where: str | Node | None = None, sort: str | None = None,
@@ -312,16 +322,17 @@ def apply_query(stmt: Select, where: str | Node | None = None, sort: str | None 
     Same rows and order as `.where(compile_where(where)).order_by(*compile_sort(sort))`, but
     each top-level `and` item that tests a RunField key (a comparison or `in`; the first
     MAX_JOINED_KEYS keys) becomes an inner join to that key's row, and each RunField sort key a
-    join to its row (outer unless a filter already joins it). A run has at most one row per key ((key, run_id) is the primary key), so
-    joins never duplicate a run. The plan starts from one joined test's index range (`driver`:
-    its index among the joined tests, as `choose_driver` picks it; by default the first
-    equality) and probes the other keys' rows by primary key, so its cost is the size of that
-    range and never depends on where the matching runs sit in the sort order: a sort key that
-    anything else filters is kept off its index (`unordered`); only when the sort key's own
-    tests are the whole filter (every run the walk meets is a match) does the order come
-    straight from its (key, vtype, num) index, stopping at the LIMIT. Each joined test is also
-    asked once of the whole table (an uncorrelated EXISTS), so a value no run has ends the
-    query at once. `or`, `not`, `exists` and column tests compile as in `compile_where`.
+    join to its row (outer unless a filter already joins it). A run has at most one row per key
+    ((key, run_id) is the primary key), so joins never duplicate a run. The plan starts from
+    one joined test's index range (`driver`: its index among the joined tests, as
+    `choose_driver` picks it; by default the first equality) and probes the other keys' rows by
+    primary key, so its cost is the size of that range and never depends on where the matching
+    runs sit in the sort order: a sort key that anything else filters is kept off its index
+    (`unordered`); only when the sort key's own tests are the whole filter (every run the walk
+    meets is a match) does the order come straight from its (key, vtype, num) index, stopping
+    at the LIMIT. Each joined test is also asked once of the whole table (an uncorrelated
+    EXISTS), so a value no run has ends the query at once. Keys past MAX_JOINED_KEYS, `or`,
+    `not`, `exists` and column tests compile as in `compile_where`.
     """
     # a Node is cached by its text: 1.0 == True, so equal-looking nodes can differ
     plan = _plan(where if where is None or isinstance(where, str) else render(where), sort, driver)
@@ -346,18 +357,18 @@ def choose_driver(conn, where: str | Node | None) -> int | None:
     if counts is None:
         return None
     sizes = conn.execute(counts).one()
-    default = _default_driver(_plan(text, None, None).tests)
+    default = _default_driver(_items(text).tests)
     # the smallest range; a tie (all past the cap) keeps the default's preference for equality
     return min(range(len(sizes)), key=lambda i: (sizes[i], i != default, i))
 
 
 @lru_cache(maxsize=256)
 def _counts(where: str) -> Select | None:
-    tests = _plan(where, None, None).tests
+    tests = _items(where).tests
     if len(tests) < 2:
         return None
     return select(*(select(func.count()).select_from(
-        select(literal(1)).where(_balanced(and_, [RunField.key == k, *(_field_cond(n, RunField) for n in nodes)]))
+        select(literal(1)).where(_balanced(and_, [_RF.key == k, *(_field_cond(n, _RF) for n in nodes)]))
         .limit(DRIVER_COUNT_CAP).subquery()).scalar_subquery() for k, nodes in tests))
 
 
@@ -395,33 +406,25 @@ def _top_ids(where: str | None, sort: str, limit: int, driver: int | None) -> Se
 def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool = False) -> _Plan | None:
     # cached by text: parsing and building the clauses cost more than the indexed query itself;
     # the clauses are immutable and bind their values as parameters, so sharing them is safe
-    items = _conjuncts(parse(where)) if where else []
-    tests: dict[str, list[Compare | In]] = {}        # canonical key -> the tests on its row
-    more: dict[str, list[Compare | In]] = {}         # the same, for keys past MAX_JOINED_KEYS
-    filters, subqueries = [], []                     # subqueries: `run.id IN (SELECT ...)` tests
-    for item in items:
-        if isinstance(item, (Compare, In)) and item.key[0] not in COLUMNS:
-            k = canonical(item.key)
-            (tests if k in tests or len(tests) < MAX_JOINED_KEYS else more).setdefault(k, []).append(item)
-        elif isinstance(item, Exists) and item.key[0] not in COLUMNS:
-            subqueries.append(_sql(item))
-        else:
-            filters.append(_sql(item))
-    for k, nodes in more.items():                    # one subquery per key: a run has one row per key
-        subqueries.append(Run.id.in_(select(RunField.run_id).where(
-            _balanced(and_, [RunField.key == k, *(_field_cond(n, RunField) for n in nodes)]))))
+    items = _items(where)
+    sort_keys = parse_sort(sort) if sort else []
+    if runless and (items.more or items.exists or items.other or not items.tests or not sort_keys
+                    or any(key[0] in COLUMNS for key, _ in sort_keys)):
+        return None
+    tests = dict(items.tests)
+    filters = [_sql(n) for n in items.other]
+    # one subquery per key past the joined ones: a run has one row per key
+    subqueries = [_sql(n) for n in items.exists] + [Run.id.in_(select(_RF.run_id).where(
+        _balanced(and_, [_RF.key == k, *(_field_cond(n, _RF) for n in nodes)]))) for k, nodes in items.more]
     room = max(0, MAX_JOINED_KEYS - len(tests))      # what a planner joins: the keys, then subqueries
     filters += subqueries[:room] + [standalone(q) for q in subqueries[room:]]
-    sort_keys = parse_sort(sort) if sort else []
-    if runless and (filters or not tests or not sort_keys or any(key[0] in COLUMNS for key, _ in sort_keys)):
-        return None
     first = sort_keys[0][0] if sort_keys else None
     first = first[0] if first and first[0] in COLUMNS else (canonical(first) if first else None)
     # walking the first sort key's index visits only matches when nothing but its own tests filter
     walk = not filters and all(k == first for k in tests)
     hide = _same if walk else unordered
     if driver is None:
-        driver = _default_driver(tuple(tests.items())) if tests else None
+        driver = _default_driver(items.tests) if tests else None
     aliases = {k: _alias(i) for i, k in enumerate(tests)}
     base = aliases[list(tests)[driver]] if runless else None
     anchor = base.run_id if runless else Run.id      # what every joined row is the row of
@@ -436,8 +439,8 @@ def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool
         # the same tests on any run, implied by the join: uncorrelated, so evaluated once before
         # the join; a value no run has (an lr never tried) then ends the query at once
         # (SELECT key, not *: the (key, vtype, num) index then answers it alone)
-        filters.append(select(RunField.key).where(
-            _balanced(and_, [RunField.key == k, *(_field_cond(n, RunField) for n in nodes)])).exists())
+        filters.append(select(_RF.key).where(
+            _balanced(and_, [_RF.key == k, *(_field_cond(n, _RF) for n in nodes)])).exists())
         types = set.intersection(*({_literal_type(v) for v in _literals(n)} for n in nodes))
         rows[k] = f, (types.pop() if len(types) == 1 else None)
     order: list = []
@@ -455,7 +458,24 @@ def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool
         order += _field_sort(f.vtype, f.num, f.text, desc, pinned, h)
     if order:
         order.append(codepoint(anchor).asc())
-    return _Plan(tuple(joins), tuple(filters), tuple(order), tuple((k, tuple(v)) for k, v in tests.items()), base)
+    return _Plan(tuple(joins), tuple(filters), tuple(order), base)
+
+
+@lru_cache(maxsize=256)
+def _items(where: str | None) -> _Items:
+    tests: dict[str, list[Compare | In]] = {}        # canonical key -> the tests on its row
+    more: dict[str, list[Compare | In]] = {}
+    exists, other = [], []
+    for item in _conjuncts(parse(where)) if where else []:
+        if isinstance(item, (Compare, In)) and item.key[0] not in COLUMNS:
+            k = canonical(item.key)
+            (tests if k in tests or len(tests) < MAX_JOINED_KEYS else more).setdefault(k, []).append(item)
+        elif isinstance(item, Exists) and item.key[0] not in COLUMNS:
+            exists.append(item)
+        else:
+            other.append(item)
+    return _Items(tuple((k, tuple(v)) for k, v in tests.items()), tuple((k, tuple(v)) for k, v in more.items()),
+                  tuple(exists), tuple(other))
 
 
 # keys joined for their tests (and, past them, the subqueries a planner may join): with the
