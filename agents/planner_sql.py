@@ -15,7 +15,7 @@ from agents.planner_parse import Constraint, Plan
 from agents.planner_words import OUTCOMES
 from kb.fields import canonical
 from kb.models import Anomaly, Failure, Run, RunField
-from kb.query_sql import codepoint
+from kb.query_sql import codepoint, unordered
 
 run, field, failure, anomaly = Run.__table__, RunField.__table__, Failure.__table__, Anomaly.__table__
 
@@ -50,61 +50,89 @@ def condition(c: Constraint):
             parts.append(run.c.id.in_(select(anomaly.c.run_id).where(anomaly.c.kind.in_(anomalies))))
         cond = or_(*parts)
     else:
-        if c.op == "near":
-            test = or_(*(field.c.num.between(lo, hi) for lo, hi in c.values))
-        else:
-            test = {"<": field.c.num < c.values[0], "<=": field.c.num <= c.values[0],
-                    ">": field.c.num > c.values[0], ">=": field.c.num >= c.values[0]}[c.op]
-        cond = run.c.id.in_(select(field.c.run_id).where(field.c.key == c.dim, field.c.vtype == "n", test))
+        cond = run.c.id.in_(select(field.c.run_id).where(field.c.key == c.dim, field.c.vtype == "n", _test(field, c)))
     return not_(cond) if c.negated else cond
 
 
-def _filters(plan: Plan) -> list:
-    return [condition(c) for c in plan.where]
+def _from(plan: Plan, reads: list[tuple] = (), optional: list[tuple] = ()) -> tuple:
+    """(FROM clause, WHERE tests), written in the order a reader follows: the rows of the
+    question's numeric constraints (`scale.params BETWEEN ...`: an index range, usually the
+    narrowest set), then the run, then the rows the answer reads (`reads`: (alias, key)
+    pairs, inner joins) and those it shows when present (`optional`).
+
+    Joins on (key, run_id), RunField's primary key, so none repeats a run, rather than
+    `run.id IN (...)`: with IN and an ORDER BY an index could serve, Postgres (whose statistics
+    on `num` mix every key's values, so a band of one key looks like a few rows) walked the
+    metric's index and compared each row with every constraint row: 8.8 s at 10,000 runs,
+    where joins and an ORDER BY no index serves (`unordered`) take ~0.2 s."""
+    tests, scoped = [], []
+    for i, c in enumerate(plan.where, 1):
+        if c.dim in ("project", "runs", "tag", "outcome") or c.negated:
+            tests.append(condition(c))
+        else:
+            scoped.append((field.alias(f"test{i}"), c))
+    if scoped:
+        first, c = scoped[0]
+        source = first.join(run, run.c.id == first.c.run_id)
+        tests = [first.c.key == c.dim, first.c.vtype == "n", _test(first, c)] + tests
+        for alias, c in scoped[1:]:
+            source = source.join(alias, and_(_on(alias, c.dim), _test(alias, c)))
+    else:
+        source = run
+    for alias, key in reads:
+        source = source.join(alias, _on(alias, key))
+    for alias, key in optional:
+        source = source.outerjoin(alias, _on(alias, key))
+    return source, tests
 
 
-def _numeric(key: str, name: str):
-    """A RunField alias holding a run's number for key, and its join condition."""
-    alias = field.alias(name)
-    return alias, and_(alias.c.run_id == run.c.id, alias.c.key == key, alias.c.vtype == "n")
+def _test(f, c: Constraint):
+    if c.op == "near":
+        return or_(*(f.c.num.between(lo, hi) for lo, hi in c.values))
+    return {"<": f.c.num < c.values[0], "<=": f.c.num <= c.values[0],
+            ">": f.c.num > c.values[0], ">=": f.c.num >= c.values[0]}[c.op]
+
+
+def _on(alias, key: str):
+    """The join to the run's RunField row holding a number for key."""
+    return and_(alias.c.run_id == run.c.id, alias.c.key == key, alias.c.vtype == "n")
 
 
 # ---- shapes ----------------------------------------------------------------------------------
 
 def extreme(plan: Plan) -> Select:
     """The k runs at one end of the metric, with the reported keys and how many runs competed."""
-    metric, on = _numeric(plan.metric, "metric")
+    metric = field.alias("metric")
+    reports = [(field.alias(f"report{i}"), key) for i, key in enumerate(plan.report, 1)]
     cols = [run.c.id.label("run_id"), run.c.name, run.c.project, metric.c.num.label(plan.metric)]
-    source = run.join(metric, on)
-    for i, key in enumerate(plan.report, 1):
-        alias, on_report = _numeric(key, f"report{i}")
-        cols.append(alias.c.num.label(key))
-        source = source.outerjoin(alias, on_report)
-    order = metric.c.num.asc() if plan.lowest else metric.c.num.desc()
+    cols += [alias.c.num.label(key) for alias, key in reports]
+    source, tests = _from(plan, [(metric, plan.metric)], reports)
+    order = unordered(metric.c.num).asc() if plan.lowest else unordered(metric.c.num).desc()
     return (select(*cols, func.count().over().label("candidates")).select_from(source)
-            .where(*_filters(plan)).order_by(order, codepoint(run.c.id)).limit(plan.k))
+            .where(*tests).order_by(order, codepoint(run.c.id)).limit(plan.k))
 
 
 def count(plan: Plan) -> Select:
     """How many runs match, and the first few of them by id."""
+    source, tests = _from(plan)
     return (select(run.c.id.label("run_id"), run.c.name, run.c.project, run.c.status,
                    func.count().over().label("runs"))
-            .where(*_filters(plan)).order_by(codepoint(run.c.id)).limit(LIST_LIMIT))
+            .select_from(source).where(*tests).order_by(codepoint(run.c.id)).limit(LIST_LIMIT))
 
 
 def values(plan: Plan) -> Select:
     """Each matching run's value of the reported key (which learning rates diverged), with the
     step of the first failure that made it match, when an outcome is asked about."""
     key = plan.report[0]
-    value, on = _numeric(key, "value")
+    value = field.alias("value")
     cols = [value.c.num.label(key), run.c.id.label("run_id"), run.c.name, run.c.status]
     kinds = sorted({f for c in plan.where if c.dim == "outcome" and not c.negated
                     for o in c.values for f in OUTCOMES[o][1]})
     if kinds:
         cols.append(select(func.min(failure.c.step)).where(failure.c.run_id == run.c.id, failure.c.kind.in_(kinds))
                     .scalar_subquery().label("failure_step"))
-    return (select(*cols).select_from(run.join(value, on)).where(*_filters(plan))
-            .order_by(value.c.num, codepoint(run.c.id)))
+    source, tests = _from(plan, [(value, key)])
+    return select(*cols).select_from(source).where(*tests).order_by(value.c.num, codepoint(run.c.id))
 
 
 def aggregate(plan: Plan) -> Select:
@@ -114,11 +142,11 @@ def aggregate(plan: Plan) -> Select:
     together: `members` is every matching run's value, `ranked` adds its group's size, mean
     and its rank in the group, and the median is the mean of the middle one or two ranks
     (2·rank within [n, n + 2]: no integer division, which the two databases spell apart)."""
-    metric, on = _numeric(plan.metric, "metric")
-    cols = [run.c.id.label("run_id"), run.c.name]
-    source = run.join(metric, on)
+    metric = field.alias("metric")
+    cols, reads = [run.c.id.label("run_id"), run.c.name], [(metric, plan.metric)]
     if plan.group and plan.group != "run":
-        grp, on_group = _numeric(plan.group, "grp")
+        grp = field.alias("grp")
+        reads.append((grp, plan.group))
         listed = next((c for c in plan.where if c.dim == plan.group and c.op == "near" and len(c.labels) > 1), None)
         # values the question listed ("between 125M and 350M", "warmup 1000 and 2000") group by
         # their band, named as written: a 123.6M and a 124.4M run are both "125M"
@@ -126,8 +154,8 @@ def aggregate(plan: Plan) -> Select:
         if listed:
             cols.append(case(*((grp.c.num.between(lo, hi), label) for (lo, hi), label in zip(listed.values, listed.labels)))
                         .label("group"))
-        source = source.join(grp, on_group)
-    members = select(*cols, metric.c.num.label(plan.metric)).select_from(source).where(*_filters(plan)).cte("members")
+    source, tests = _from(plan, reads)
+    members = select(*cols, metric.c.num.label(plan.metric)).select_from(source).where(*tests).cte("members")
     value = members.c[plan.metric]
     by = "run_id" if plan.group == "run" else "group" if "group" in members.c else plan.group
     part = [members.c[by]] if plan.group else []
@@ -168,11 +196,12 @@ def diff(plan: Plan) -> Select:
 
 def best_config(plan: Plan) -> Select:
     """The best run by the metric and every config leaf it logged."""
-    metric, on = _numeric(plan.metric, "metric")
-    order = metric.c.num.asc() if plan.lowest else metric.c.num.desc()
+    metric = field.alias("metric")
+    order = unordered(metric.c.num).asc() if plan.lowest else unordered(metric.c.num).desc()
+    source, tests = _from(plan, [(metric, plan.metric)])
     best = (select(run.c.id.label("run_id"), run.c.name, metric.c.num.label(plan.metric),
                    func.count().over().label("candidates"))
-            .select_from(run.join(metric, on)).where(*_filters(plan))
+            .select_from(source).where(*tests)
             .order_by(order, codepoint(run.c.id)).limit(1).cte("best"))
     leaf = and_(field.c.run_id == best.c.run_id, codepoint(field.c.key) >= "config.",
                 codepoint(field.c.key) < "config/")
