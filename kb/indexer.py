@@ -126,13 +126,9 @@ def _reconcile(engine: Engine, index) -> tuple[int, int]:
     if index.count() == n_sql and n_pending == 0:
         return 0, 0          # the common case: nothing to compare, reopen stays fast
     have = index.fingerprints()
-    want: dict[str, str] = {}
+    want = expected_fingerprints(engine)
+    missing = [pid for pid, h in want.items() if have.get(pid) != h]
     with Session(engine) as s:
-        for rid, card in s.execute(select(Run.id, Run.card)):
-            want[point_id("run", rid)] = card_hash(card)
-        for row in s.execute(select(Note)).scalars():
-            want[point_id("note", row.id)] = card_hash(note_text(row))
-        missing = [pid for pid, h in want.items() if have.get(pid) != h]
         queued = {point_id(k, r) for k, r in s.execute(select(IndexPending.kind, IndexPending.ref_id))}
     extra = [pid for pid in have if pid not in want]
     if extra:
@@ -145,6 +141,18 @@ def _reconcile(engine: Engine, index) -> tuple[int, int]:
     if todo or extra:
         log.info("index reconcile: %d to index, %d removed", len(todo), len(extra))
     return len(todo), len(extra)
+
+
+def expected_fingerprints(engine: Engine) -> dict[str, str]:
+    """point id -> card hash of everything SQL holds: what an index in step with it returns from
+    `fingerprints()`."""
+    want: dict[str, str] = {}
+    with Session(engine) as s:
+        for rid, card in s.execute(select(Run.id, Run.card)):
+            want[point_id("run", rid)] = card_hash(card)
+        for row in s.execute(select(Note)).scalars():
+            want[point_id("note", row.id)] = card_hash(note_text(row))
+    return want
 
 
 def queue_everything(engine: Engine) -> int:

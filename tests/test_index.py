@@ -8,7 +8,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from kb.api import KnowledgeBase
+from kb.errors import IndexBusy, IndexDamaged
 
 RUNS = [
     {"id": "lr-3e-3", "project": "p", "name": "lr 3e-3 diverged", "status": "diverged",
@@ -111,3 +114,113 @@ def test_cli_ingest_of_unchanged_runs_restores_a_deleted_index(settings, tmp_pat
     assert json.loads(out.stdout)["unchanged"] == 3
     with KnowledgeBase.open(settings) as k:
         assert k.pending_index() == 0 and k._open_index().count() == 3
+
+
+# ---- a damaged index (finding 9), readers beside a holder (finding 15) --------------------------
+
+def _segment_files(root, name):
+    return [p for p in (root / "segments").rglob(name) if p.is_file()]
+
+
+def _garbage(path, seed=0):
+    import random
+    path.write_bytes(random.Random(seed).randbytes(max(path.stat().st_size, 64)))
+
+
+DAMAGE = {
+    # the engine's config unreadable
+    "config-garbage": lambda root: _garbage(root / "edge_config.json"),
+    # truncated storage headers: qdrant-edge panics in Rust while loading (a BaseException)
+    "truncated-status": lambda root: [p.write_bytes(b"") for p in _segment_files(root, "status.dat")],
+    # the write-ahead log overwritten
+    "wal-garbage": lambda root: [_garbage(p) for p in (root / "wal").iterdir()],
+    # a piece of the folder deleted
+    "config-missing": lambda root: (root / "edge_config.json").unlink(),
+    # our own sidecar (which model built the vectors) unreadable
+    "meta-garbage": lambda root: root.with_name("kb.json").write_text("{not json"),
+    # every file of the folder truncated to nothing
+    "all-empty": lambda root: [p.write_bytes(b"") for p in root.rglob("*") if p.is_file()],
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_index_fails_cleanly_ingest_still_commits_and_reindex_rebuilds(settings, tmp_path, damage):
+    """Search says to run `kb reindex` (never a Rust panic or a bare engine error), an ingest commits
+    its runs and leaves them queued for indexing, and reindex rebuilds the index from SQL."""
+    with KnowledgeBase.open(settings) as k:
+        k.ingest(write(tmp_path))
+        assert k.index.count() == 3
+    DAMAGE[damage](settings.qdrant_path / settings.collection)
+    late = [{"id": "late", "project": "p", "name": "late run", "config": {"optim": {"lr": 1e-3}},
+             "notes": "tokenizer bug made the loss explode"}]
+    with KnowledgeBase.open(settings) as k:
+        with pytest.raises(IndexDamaged, match="kb reindex"):
+            k.search("exploded to NaN")
+        report = k.ingest(write(tmp_path, late))
+        assert report.added == 1 and k.run("late").id == "late"
+        assert k.pending_index() == 1                 # stale, and the run waits in SQL for an index
+        assert k.reindex().indexed == 4
+        assert_index_equals_sql(k)
+        assert top(k, "tokenizer bug")[0] == "late" and k.pending_index() == 0
+
+
+def assert_index_equals_sql(k):
+    """The same ids, each with the hash of the text SQL holds for it now."""
+    from kb.indexer import expected_fingerprints
+    assert k.index.fingerprints() == expected_fingerprints(k.engine)
+
+
+def test_vectors_overwritten_with_garbage_are_rebuilt_by_reindex(kb, tmp_path, settings):
+    """Damage the engine cannot see (garbage vectors load fine): reindex does not trust the folder."""
+    kb.ingest(write(tmp_path))
+    kb.release_index()
+    for p in _segment_files(settings.qdrant_path / settings.collection, "chunk_0.mmap"):
+        _garbage(p, seed=3)
+    kb.reindex()
+    assert_index_equals_sql(kb)
+    assert top(kb, "which run blew up with NaN loss?")[0] == "lr-3e-3"
+    assert top(kb, "data mixture with more code")[0] == "data-mix"
+
+
+HOLDER = """
+import select, sys
+import numpy as np
+from kb.settings import Settings
+from kb.vectors import VectorPoint, open_index
+idx = open_index(Settings(home=sys.argv[1], database_url=sys.argv[2]), 384)
+print("held", flush=True)
+rng, i = np.random.default_rng(0), 0
+# "write": an indexer at work until told to stop, upserts and deletes (each flushed) in another project
+while sys.argv[3] == "write" and not select.select([sys.stdin], [], [], 0)[0]:
+    idx.upsert([VectorPoint(f"run:junk{i + j}", rng.standard_normal(384),
+                            {"kind": "run", "project": "junk", "ref_id": f"junk{i + j}"}) for j in range(32)])
+    if i:
+        idx.delete([f"run:junk{i - 32}"])
+    i += 32
+sys.stdin.readline()
+idx.close()
+"""
+
+
+@pytest.mark.parametrize("holder_mode", ["idle", "write"])
+def test_search_works_while_another_process_holds_the_index(settings, tmp_path, holder_mode):
+    """A reader never fails because a writer holds (and is writing) the embedded index: it searches a
+    private copy of what has been indexed."""
+    with KnowledgeBase.open(settings) as k:
+        k.ingest(write(tmp_path))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(settings.home), settings.database_url, holder_mode],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for _ in range(3):                                  # each a fresh copy, taken mid-write
+            with KnowledgeBase.open(settings) as k:
+                assert top(k, "which run blew up with NaN loss?", project="p")[0] == "lr-3e-3"
+        with KnowledgeBase.open(settings) as k:
+            with pytest.raises(IndexBusy):
+                k.index                                     # the folder itself stays the holder's
+            report = k.ingest(write(tmp_path, [dict(RUNS[0], id="new-run", notes="a brand new run")]))
+            assert report.added == 1 and report.pending_index == 1       # queued for the holder
+            assert top(k, "data mixture with more code", project="q") == ["data-mix"]
+    finally:
+        holder.communicate("\n", timeout=120)
+    assert holder.returncode == 0

@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as exc:   # noqa: BLE001 - the edge: anything unexpected is one line, traceback on -v
+        from sqlalchemy.exc import ArgumentError
+        if isinstance(exc, ArgumentError):     # a database URL SQLAlchemy cannot read: the user's to fix
+            _error(f"database URL (--database-url or KB_DATABASE_URL): {exc}", context)
+            return 2
         _error(_describe(exc), context)
         return 1
     return rc if isinstance(rc, int) else 0

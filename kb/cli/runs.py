@@ -65,7 +65,7 @@ def ingest(obj, paths, fmt, project, maps, no_index, show_skipped, as_json):
 @click.command()
 @click.option("--where", "where", help="Filter, e.g. \"config.optim.lr > 1e-3 or status = 'diverged'\".")
 @click.option("--sort", help="Sort key, '-' prefix for descending, e.g. summary.val/loss.")
-@click.option("--limit", type=int, help="At most N runs.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most N runs.")
 @click.option("--project", help="Only this project.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
@@ -133,7 +133,7 @@ def reindex(obj, as_json):
 
 @click.command()
 @click.argument("text")
-@click.option("--limit", type=int, default=5)
+@click.option("--limit", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--kind", type=click.Choice(["run", "note"]), help="Only runs or only notes.")
 @click.option("--project")
 @click.option("--where", "where", help="Only runs matching this query, e.g. \"status = 'diverged'\".")
