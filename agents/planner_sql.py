@@ -31,7 +31,8 @@ def statement(plan: Plan) -> Select:
 # ---- filters ---------------------------------------------------------------------------------
 
 def condition(c: Constraint):
-    """One constraint as a test on the run row; runs without the key never match it."""
+    """One constraint as a test on the run row: a run without the key matches none, and a
+    negated one (`did not diverge`) is plain negation."""
     if c.dim == "project":
         cond = run.c.project.in_(c.values)
     elif c.dim == "runs":
@@ -132,7 +133,7 @@ def values(plan: Plan) -> Select:
         cols.append(select(func.min(failure.c.step)).where(failure.c.run_id == run.c.id, failure.c.kind.in_(kinds))
                     .scalar_subquery().label("failure_step"))
     source, tests = _from(plan, [(value, key)])
-    return select(*cols).select_from(source).where(*tests).order_by(value.c.num, codepoint(run.c.id))
+    return select(*cols).select_from(source).where(*tests).order_by(unordered(value.c.num), codepoint(run.c.id))
 
 
 def aggregate(plan: Plan) -> Select:
@@ -147,11 +148,11 @@ def aggregate(plan: Plan) -> Select:
     if plan.group and plan.group != "run":
         grp = field.alias("grp")
         reads.append((grp, plan.group))
-        listed = next((c for c in plan.where if c.dim == plan.group and c.op == "near" and len(c.labels) > 1), None)
-        # values the question listed ("between 125M and 350M", "warmup 1000 and 2000") group by
-        # their band, named as written: a 123.6M and a 124.4M run are both "125M"
         cols.append(grp.c.num.label(plan.group))
+        listed = next((c for c in plan.where if c.dim == plan.group and c.op == "near" and len(c.labels) > 1), None)
         if listed:
+            # values the question listed ("between 125M and 350M", "warmup 1000 and 2000") group
+            # by their band, named as written: a 123.6M and a 124.4M run are both "125M"
             cols.append(case(*((grp.c.num.between(lo, hi), label) for (lo, hi), label in zip(listed.values, listed.labels)))
                         .label("group"))
     source, tests = _from(plan, reads)
