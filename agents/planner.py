@@ -148,9 +148,8 @@ def _quote(row: dict, keys) -> str:
 
 
 def _no_evidence(plan: Plan, result: SQLResult) -> PlannedAnswer:
-    what = {"extreme": f" with a numeric {label(plan.metric or '')}", "best_config": f" with a numeric {label(plan.metric or '')}",
-            "aggregate": f" with a numeric {label(plan.metric or '')}",
-            "values": f" with a numeric {label(plan.report[0]) if plan.report else ''}"}.get(plan.shape, "")
+    key = plan.report[0] if plan.shape == "values" else plan.metric
+    what = f" with a numeric {label(key)}" if key else ""
     text = f"{NO_EVIDENCE} I searched for runs {scope(plan)}{what}, and none matched."
     return PlannedAnswer(text, [], result.sql, [], plan)
 
