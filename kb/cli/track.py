@@ -182,6 +182,7 @@ def watch(obj, directory, quiet_seconds, interval, once, project, no_index, as_j
     marker: a _SUCCESS or DONE file, an HF trainer_state.json at max_steps, a W&B exit
     record. Unchanged runs are skipped without being read (state in KB_HOME/watch-state.json)."""
     from ingest.watch import Watcher
+    from kb.errors import IndexUnavailable, ReadOnlyStore
 
     k = obj.kb()
     watcher = Watcher(k, directory, quiet_seconds=quiet_seconds, project=project)
@@ -189,9 +190,11 @@ def watch(obj, directory, quiet_seconds, interval, once, project, no_index, as_j
         while True:
             report = watcher.scan_once()
             if report.ingested and not no_index:
-                if not k.try_sync_index():
-                    click.echo("vector index is held by another process (kb serve); it will index the new runs",
-                               err=True)
+                try:
+                    k.sync_index()
+                except (IndexUnavailable, ReadOnlyStore) as exc:
+                    # the runs are stored; what awaits indexing stays queued in SQL for whoever can
+                    click.echo(f"warning: {exc}", err=True)
                 # a watcher runs for days: let go of the embedded index between scans
                 k.close()
             _print_scan(report, as_json, once)
