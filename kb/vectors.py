@@ -25,25 +25,22 @@ is derived from SQL, so `open_index(..., rebuild=True)` (what `kb reindex` does)
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
-import threading
 import uuid
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from kb.errors import IndexBusy, IndexDamaged, KBError, ReadOnlyStore
+from kb.errors import IndexDamaged, KBError, ReadOnlyStore
+from kb.index_files import (busy, copy_shard, damaged, meta_path, native_stderr_to_log, read_meta, remove,
+                            take_lock)
 
 log = logging.getLogger(__name__)
 
@@ -168,20 +165,20 @@ class EdgeIndex:
         want = {"model": model, "dim": dim}
         config = qe.EdgeConfig(vectors=qe.EdgeVectorParams(size=dim, distance=qe.Distance.Cosine),
                                max_search_threads=threads)
-        lock = _take_lock(path)
+        lock = take_lock(path)
         try:
             if rebuild:
                 # whatever is there (damaged, stale, another model's) goes: SQL refills it
-                _remove(path)
+                remove(path)
             elif (path / "edge_config.json").exists():
-                have = _read_meta(path, default=want)
+                have = read_meta(path, default=want)
                 if have == want:
                     shard = _edge_call(lambda: qe.EdgeShard.load(str(path), config), path, opening=True)
                     return cls(shard, path, lock=lock)._ready(want)
                 # vectors from another model are meaningless; the index is derived, so rebuild it
                 # (the indexer's reconcile sees an empty index and re-queues everything from SQL)
                 log.warning("vector index at %s was built with %s; rebuilding for %s", path, have, want)
-                _remove(path)
+                remove(path)
             # a folder left without its config (a piece deleted) makes create fail: IndexDamaged
             shard = _edge_call(lambda: qe.EdgeShard.create(str(path), config), path, opening=True)
             return cls(shard, path, lock=lock)._ready(want)
@@ -200,14 +197,14 @@ class EdgeIndex:
         if not (path / "edge_config.json").exists():
             raise IndexDamaged(f"no vector index at {path} to search; `kb reindex` (where the knowledge "
                                "base is writable) builds it from SQL")
-        have, want = _read_meta(path, default={"model": model, "dim": dim}), {"model": model, "dim": dim}
+        have, want = read_meta(path, default={"model": model, "dim": dim}), {"model": model, "dim": dim}
         if have != want:
             raise IndexDamaged(f"vector index at {path} holds {have['model']} vectors, not {model}; "
                                "`kb reindex` (where the knowledge base is writable) rebuilds it")
         for attempt in range(1, COPY_TRIES + 1):
             scratch = Path(tempfile.mkdtemp(prefix="kb-index-"))
             try:
-                unchanged = _copy_shard(path, scratch / path.name)
+                unchanged = copy_shard(path, scratch / path.name)
                 shard = _edge_call(lambda: qe.EdgeShard.load(str(scratch / path.name)), path, opening=True)
             except BaseException as exc:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -223,7 +220,7 @@ class EdgeIndex:
     def _ready(self, want: dict) -> "EdgeIndex":
         try:
             self._ensure_payload_indexes()
-            _meta_path(self.path).write_text(json.dumps(want))
+            meta_path(self.path).write_text(json.dumps(want))
         except BaseException:
             self.shard.close()        # the caller releases the lock
             raise
@@ -290,59 +287,6 @@ class EdgeIndex:
                 self._scratch = None
 
 
-def _busy(path: Path) -> IndexBusy:
-    return IndexBusy(f"vector index {path} is open in another process (kb serve?); "
-                     "what was written waits in SQL and is indexed by that process")
-
-
-def _take_lock(path: Path):
-    """Hold `<name>.lock` beside the folder while it is open. The engine's own lock lives in its WAL
-    folder, which a damaged index may lack; this one lets a rebuild remove the folder knowing that
-    no other process has it open."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(path.with_name(path.name + ".lock"), "a")
-    except PermissionError as exc:
-        raise ReadOnlyStore(f"vector index at {path} is read-only ({exc.strerror})") from exc
-    except OSError as exc:
-        if exc.errno == errno.EROFS:
-            raise ReadOnlyStore(f"vector index at {path} is on a read-only file system") from exc
-        raise
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.close()
-        raise _busy(path) from None
-    return fh
-
-
-def _remove(path: Path) -> None:
-    if path.exists():
-        shutil.rmtree(path)
-    _meta_path(path).unlink(missing_ok=True)
-
-
-def _meta_path(path: Path) -> Path:
-    return path.with_name(path.name + ".json")
-
-
-def _read_meta(path: Path, default: dict) -> dict:
-    """Which model and dimension the vectors are from (a sidecar we write; qdrant-edge keeps no metadata)."""
-    meta = _meta_path(path)
-    if not meta.exists():
-        return default
-    try:
-        have = json.loads(meta.read_bytes())
-        return {"model": have["model"], "dim": have["dim"]}
-    except (ValueError, TypeError, KeyError) as exc:
-        raise _damaged(path, f"{meta.name}: {exc}") from exc
-
-
-def _damaged(path: Path, reason: str) -> IndexDamaged:
-    return IndexDamaged(f"vector index at {path} is unusable ({reason}); the runs are safe in SQL, "
-                        "and `kb reindex` rebuilds the index from them")
-
-
 def _edge_call(fn, path: Path, *, opening: bool = False):
     """Run one qdrant-edge call, its failures as domain errors: the binding raises a bare Exception
     (a held WAL lock says "WouldBlock"), and on some damaged files a Rust panic, which pyo3 raises
@@ -351,69 +295,15 @@ def _edge_call(fn, path: Path, *, opening: bool = False):
     try:
         if not opening:
             return fn()
-        with _native_stderr_to_log():
+        with native_stderr_to_log():
             return fn()
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:     # noqa: BLE001 - a PanicException is no Exception
         text = str(exc).strip()
         if "WouldBlock" in text:
-            raise _busy(path) from exc
-        raise _damaged(path, text.splitlines()[0] if text else type(exc).__name__) from exc
-
-
-_STDERR_LOCK = threading.Lock()
-
-
-@contextmanager
-def _native_stderr_to_log():
-    """What native code writes to fd 2 goes to the log (shown with --verbose), so an error stays
-    the one line the CLI prints; Python's own sys.stderr is untouched when nothing was written."""
-    with _STDERR_LOCK, tempfile.TemporaryFile() as sink:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            said = sink.read().decode("utf-8", "replace").strip()
-            if said:
-                log.info("qdrant-edge: %s", said)
-
-
-def _copy_shard(src: Path, dst: Path) -> bool:
-    """Copy a shard's files, leaving out its WAL (its lock, and 64 MB of preallocated segments;
-    every write is flushed to the segments) and the temp files of writes in flight. True when
-    nothing changed while copying."""
-    before = _file_states(src)
-    for rel in before:
-        target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            shutil.copyfile(src / rel, target)
-        except FileNotFoundError:
-            pass                          # replaced while we copied: `after` differs, so we retry
-    return _file_states(src) == before
-
-
-def _file_states(root: Path) -> dict[str, tuple[int, int]]:
-    out = {}
-    for folder, dirs, files in os.walk(root):
-        if Path(folder) == root and "wal" in dirs:
-            dirs.remove("wal")
-        for name in files:
-            if name.startswith(".atomicwrite"):
-                continue
-            p = Path(folder) / name
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
-    return out
+            raise busy(path) from exc
+        raise damaged(path, text.splitlines()[0] if text else type(exc).__name__) from exc
 
 
 def _edge_filter(where: dict | None):
