@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, ArgumentError):     # a database URL SQLAlchemy cannot read: the user's to fix
             _error(f"database URL (--database-url or KB_DATABASE_URL): {exc}", context)
             return 2
-        _error(_describe(exc), context)
+        _error(_describe(exc)[:MAX_MESSAGE], context)
         return 1
     return rc if isinstance(rc, int) else 0
 
@@ -151,7 +151,7 @@ def _error(message: str, context: Context | None = None, multiline: bool = False
         traceback.print_exc()
     lines = [line for line in message.splitlines() if line.strip()] or ["(no message)"]
     if not multiline:
-        lines = [" ".join(line.strip() for line in lines)[:MAX_MESSAGE]]
+        lines = [" ".join(line.strip() for line in lines)]
     text = "\n".join(lines)
     # a message may quote bad input back (lone surrogates included): never fail to print it
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
