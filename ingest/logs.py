@@ -338,9 +338,9 @@ NOT_LOGS = {".md", ".markdown", ".rst", ".json", ".jsonl", ".ndjson", ".yaml", "
 def _head(path: Path, size: int) -> list[str]:
     with path.open("rb") as fh:
         raw = fh.read(size)
-    if b"\0" in raw[:8192]:
-        return []                    # binary
-    return raw.decode("utf-8", errors="replace").splitlines()
+    # read as the reader reads it: NULs (a crashed node's preallocated zeros) are no text, and a
+    # binary file simply has no metric lines
+    return raw.replace(b"\0", b"").decode("utf-8-sig", errors="replace").splitlines()
 
 
 def log_score(path: Path) -> int:
@@ -396,7 +396,7 @@ class LogIngester:
         # zeros a crashed node leaves at the end of a preallocated file) are no text at all
         text = raw.decode("utf-8-sig", errors="replace").replace("\x00", "")
         # llm.c writes `<output dir>/main.log`: the folder names the run
-        name = path.parent.name if path.name == "main.log" and path.parent.name else path.stem
+        name = _text(path.parent.name if path.name == "main.log" and path.parent.name else path.stem)
         data = parse_log(text, name)
         if not data["metrics"] and not data["config"]:
             why = "no step/metric lines recognised (expected lines like 'iter 100: loss 4.23' or " \
@@ -410,7 +410,13 @@ class LogIngester:
         except InvalidRecord as exc:
             yield rejected(path, exc.error, field=exc.field)
             return
-        yield Parsed(record, "log", str(path.resolve()))
+        yield Parsed(record, "log", _text(str(path.resolve())))
+
+
+def _text(name: str) -> str:
+    """A file name as text: bytes that are not UTF-8 (kept by the OS as surrogate escapes, which
+    no store holds) written as `\\xff`, so the run's name and source stay unique and stable."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def storable(data: dict) -> RunRecord:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 
 from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import MAX_TEXT, Item, Parsed, json_safe, parse_run
+from kb.records import MAX_NAME, MAX_TEXT, Item, Parsed, json_safe, parse_run, text_problem
 from kb.vocab import column_target, fold
 
 SUFFIXES = {".csv", ".tsv", ".parquet", ".pq"}
@@ -56,11 +56,12 @@ STATUS_WORDS = {"finished": "completed", "done": "completed", "success": "comple
 DELIMITERS = (",", ";", "\t", "|")
 SIZE_UNITS = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
-INT = re.compile(r"[+-]?(0|[1-9]\d*)")          # "007" is a code, kept as text
-FLOAT = re.compile(r"[+-]?((0|[1-9]\d*)(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
-DECIMAL_COMMA = re.compile(r"[+-]?\d+,\d+([eE][+-]?\d+)?")
+# ASCII digits only: `\d` alone would read "1٢" (an Arabic-Indic two) as 12
+INT = re.compile(r"[+-]?(0|[1-9]\d*)", re.A)          # "007" is a code, kept as text
+FLOAT = re.compile(r"[+-]?((0|[1-9]\d*)(\.\d*)?|\.\d+)([eE][+-]?\d+)?", re.A)
+DECIMAL_COMMA = re.compile(r"[+-]?\d+,\d+([eE][+-]?\d+)?", re.A)
 NONFINITE = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
-SIZED = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT])")
+SIZED = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT])", re.A)
 MISSING = object()
 QUOTE_RESTARTS = 100       # unclosed quotes read around before the rest of a file is refused
 
@@ -177,10 +178,23 @@ def _dotted(target: Target) -> str:
 
 # -- rows -------------------------------------------------------------------------------------
 
+def _unusable(plan: dict[str, Target]) -> dict[str, str]:
+    """{column: why} for the columns whose name cannot be a stored key (past the name limit, a
+    NUL): a row that fills one is refused naming it, and the rows that leave it empty go in."""
+    out = {}
+    for column, (space, path) in plan.items():
+        keys = path if space in ("config", "summary") else (column,) if space == "scale" else ()
+        for key in keys:
+            if problem := text_problem(key, MAX_NAME):
+                out[column] = f"the column name {problem}"
+                break
+    return out
+
+
 def _record(plan: dict[str, Target], cells: dict[str, Any], typed: Callable[[Any], Any],
-            default_name: str) -> dict:
+            default_name: str, unusable: dict[str, str]) -> dict:
     """The native record of one row. `cells` are raw (CSV text, Parquet values); `typed` turns a
-    raw cell into a number, bool or text, or MISSING."""
+    raw cell into a number, bool or text, or MISSING. `unusable`: see _unusable."""
     config: dict = {}
     scale: dict = {}
     summary: dict = {}
@@ -195,6 +209,8 @@ def _record(plan: dict[str, Target], cells: dict[str, Any], typed: Callable[[Any
             continue
         if space == "drop":
             continue
+        if column in unusable:
+            raise InvalidRecord(unusable[column], field=column)
         value = typed(raw)
         if value is MISSING:
             continue
@@ -249,12 +265,14 @@ def _validated(path: Path, plan: dict[str, Target], native: dict, uri: str,
 
 
 def _column_of(plan: dict[str, Target], field: str) -> str:
-    """The column behind a record field named in a validation error (the file's own name for it)."""
+    """The column behind a record field named in a validation error (the file's own name for it).
+    Keys may hold dots (columns `a` and `a.b`): the longest target that names the field wins."""
+    best, length = field, -1
     for column, target in plan.items():
         dotted = _dotted(target)
-        if field == dotted or field.startswith(dotted + "."):
-            return column
-    return field
+        if (field == dotted or field.startswith(dotted + ".")) and len(dotted) > length:
+            best, length = column, len(dotted)
+    return best
 
 
 # -- CSV and TSV ------------------------------------------------------------------------------
@@ -289,6 +307,7 @@ def _read_text(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
     except InvalidRecord as exc:
         yield rejected(path, exc.error, line=line, field=exc.field)
         return
+    unusable = _unusable(plan)
     # in a `;`-separated file a comma is the decimal mark (European spreadsheets)
     typed = _typed_decimal_comma if delimiter == ";" else _typed
     n = 0
@@ -309,11 +328,11 @@ def _read_text(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
             yield rejected(path, "the cell is not UTF-8", line=line, field=bad)
             continue
         try:
-            native = _record(plan, row, typed, f"{path.stem} row {n}")
+            native = _record(plan, row, typed, f"{_text(path.stem)} row {n}", unusable)
         except InvalidRecord as exc:
             yield rejected(path, exc.error, line=line, field=exc.field)
             continue
-        yield _validated(path, plan, native, f"{path}#row-{n}", line)
+        yield _validated(path, plan, native, f"{_text(str(path))}#row-{n}", line)
     if not n:
         yield rejected(path, "no data rows under the header", line=line)
 
@@ -379,17 +398,35 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
+def _text(name: str) -> str:
+    """A file name as text: bytes that are not UTF-8 (kept by the OS as surrogate escapes, which
+    no store holds) written as `\\xff`, so a row's run name and source stay unique and stable."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _sniff(sample: str) -> str:
-    """The delimiter that splits the sample's lines into the same number of columns, the most."""
+    """The delimiter that splits the header into columns and the most data lines into at most as
+    many (trailing empty cells aside: spreadsheets pad rows); ties go to the wider header."""
     lines = sample.splitlines()
     if len(lines) > 1 and not sample.endswith(("\n", "\r")):
         lines = lines[:-1]                     # the sample cut a line short
-    best, width = ",", 1
+    best, score = ",", (-1, 0)
     for d in DELIMITERS:
-        widths = {len(row) for row in csv.reader(lines[:50], delimiter=d) if row}
-        if len(widths) == 1 and (w := widths.pop()) > width:
-            best, width = d, w
+        rows = [row for row in csv.reader(lines[:50], delimiter=d) if row]
+        if not rows or len(rows[0]) < 2:
+            continue
+        width = len(rows[0])
+        fit = sum(1 for row in rows[1:] if len(row) > 1 and len(_trimmed(row)) <= width)
+        if (fit, width) > score:
+            best, score = d, (fit, width)
     return best
+
+
+def _trimmed(row: list[str]) -> list[str]:
+    end = len(row)
+    while end and not row[end - 1].strip():
+        end -= 1
+    return row[:end]
 
 
 def _typed(cell: str) -> Any:
@@ -453,6 +490,7 @@ def _read_parquet(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
     except InvalidRecord as exc:
         yield rejected(path, exc.error, field=exc.field)
         return
+    unusable = _unusable(plan)
     n = 0
     batches = table.iter_batches(batch_size=4096)
     while True:
@@ -471,11 +509,11 @@ def _read_parquet(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
                 yield rejected(path, f"the value has no Python equivalent: {error}", field=where + column)
                 continue
             try:
-                native = _record(plan, cells, _parquet_value, f"{path.stem} row {n}")
+                native = _record(plan, cells, _parquet_value, f"{_text(path.stem)} row {n}", unusable)
             except InvalidRecord as exc:
                 yield rejected(path, exc.error, field=where + exc.field)
                 continue
-            yield _validated(path, plan, native, f"{path}#row-{n}", None, where)
+            yield _validated(path, plan, native, f"{_text(str(path))}#row-{n}", None, where)
     if not n:
         yield rejected(path, "no rows")
 

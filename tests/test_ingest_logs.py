@@ -778,3 +778,68 @@ def test_a_folder_of_real_logs_and_other_files(tmp_path):
     assert runs["nemo_nan"].status == "diverged" and runs["gpt2_medium"].project == "gpt2_medium"
     assert speedrun.config == SPEEDRUN_CONFIG
     assert speedrun.code["source_sha256"] == hashlib.sha256(speedrun.code["source"].encode()).hexdigest()
+
+
+# ---- hostile input (issue 7): what fuzzing found, one case each ------------------------------------
+
+def test_steps_and_times_no_store_holds_make_no_step_and_no_crash():
+    rec = parse_log("\n".join([
+        "step 1e999: loss 2.0",                                  # was OverflowError
+        "step 99999999999999999999999: loss 2.0",                # past 64 bits
+        '{"step": -4, "loss": 1.0}', '{"step": 3, "loss": ' + "9" * 400 + ', "lr": 0.1}',
+        "s:0 trl:3.5 _:1.0", "step 2: _ 7.0 loss 2.5",          # a name of separators names nothing
+        ':::MLLOG {"key": "run_start", "time_ms": 1e20}',        # was OSError: past any datetime
+        ':::MLLOG {"key": "v", "value": 1, "metadata": {"step": -5}}',
+        ':::MLLOG {"key": "w", "value": 1, "metadata": 5}', ":::MLLOG " + "[" * 3000,
+    ]), "x")
+    assert rec["metrics"] == {"train/loss": [[0, 3.5], [2, 2.5]], "lr": [[3, 0.1]]}
+    assert "started_at" not in rec and rec["config"] == {"w": 1}
+
+
+def test_a_deep_dump_or_a_long_name_costs_the_run_only_that_part(tmp_path):
+    path = tmp_path / "train.log"
+    path.write_text("\n".join([
+        "{" + '"a": {' * 3000 + "}" * 3001,                      # was RecursionError
+        "\n".join(" " * i + f"k{i}:" for i in range(200)) + "\n" + " " * 200 + "v: 1",
+        "batch_size = 64",
+        "step 1: loss 2.0 " + "q" * 300 + " 5.0",               # a metric name past the 200-character limit
+        "step 2: loss 1.5",
+    ]))
+    (item,) = LogIngester().read(str(path))
+    assert isinstance(item, Parsed), item
+    record = item.record
+    assert record.metrics["train/loss"] == [(1, 2.0), (2, 1.5)] and record.config["batch_size"] == 64
+    assert [u["field"].split(".")[0] for u in record.meta["unread"]] == ["metrics"]
+    assert "q" * 300 not in record.metrics
+
+
+def test_nul_bytes_a_bom_and_bytes_that_are_not_utf8_leave_the_log_readable(tmp_path):
+    path = tmp_path / "node3.log"
+    lines = b"\r\n".join(f"iter {i}: loss {3 - i / 10:.2f}".encode() for i in range(5))
+    path.write_bytes(b"\xef\xbb\xbflr = 3e-4\r\n\x00\x00\xff\xfe garbled\r\n" + lines + b"\r\n" + b"\x00" * 4096)
+    assert LogIngester().detect(str(path)) == 85             # the zeros of a crashed node are not a binary file
+    (item,) = LogIngester().read(str(path))
+    assert item.record.config == {"lr": 3e-4}
+    assert [p[1] for p in item.record.metrics["train/loss"]] == [3.0, 2.9, 2.8, 2.7, 2.6]
+
+
+@pytest.mark.parametrize("unit", ["x", "a1", "a.", "1e", "9", "def f(", "A(a=", "Namespace("])
+def test_a_long_line_is_read_in_linear_time(unit):
+    # each of these took time quadratic in the line's length (a 20,000-character line: 96 s);
+    # 400,000 characters would not finish
+    text = "step 1: loss 2.0 " + unit * (400_000 // len(unit))
+    assert parse_log(text + "\n" + text, "x")["metrics"]["train/loss"] == [[1, 2.0]]
+
+
+def test_a_file_name_that_is_not_utf8_names_its_run(tmp_path):
+    from kb.api import KnowledgeBase
+
+    folder = os.fsencode(tmp_path / "runs")
+    os.mkdir(folder)
+    with open(os.path.join(folder, b"\xff-run.log"), "wb") as fh:
+        fh.write(b"iter 1: loss 2.0\niter 2: loss 1.5\n")
+    with KnowledgeBase.open(home=tmp_path / "kb") as k:
+        report = k.ingest(os.fsdecode(folder), index=False)
+        assert (report.added, report.failed) == (1, [])
+        assert [r.name for r in k.runs()] == ["\\xff-run"]
+        assert k.ingest(os.fsdecode(folder), index=False).unchanged == 1

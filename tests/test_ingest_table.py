@@ -248,3 +248,72 @@ def test_cli_ingest_with_map(tmp_path, database_url):
     assert [(r["scale"]["params"], r["scale"]["tokens"]) for r in runs] == [(400_000_000, 8_000_000_000)]
     bad = kb("ingest", str(path), "--map", "loss", "--no-index")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "COLUMN=KEY" in bad.stderr
+
+
+# ---- hostile input (issue 7): what fuzzing found, one case each ------------------------------------
+
+def test_bytes_that_are_not_utf8_refuse_their_row_not_the_file(kb, tmp_path):
+    path = tmp_path / "sweep.csv"
+    path.write_bytes(b"name,lr,note\nok-1,0.1,fine\nbad,0.2,caf\xe9\nok-2,0.3,\xff\n")
+    (tmp_path / "header.csv").write_bytes(b"name,n\xf6te\nok,1\n")
+    report = kb.ingest(str(path), index=False)
+    assert {r.name for r in kb.runs()} == {"ok-1"}
+    assert {(f["line"], f["field"]) for f in report.failed} == {(3, "note"), (4, "note")}
+    [failed] = kb.ingest(str(tmp_path / "header.csv"), index=False).failed
+    assert (failed["line"], failed["field"], failed["error"]) == (1, "n\ufffdte", "the header is not UTF-8")
+
+
+def test_a_quote_never_closed_is_refused_on_its_line_and_the_rows_after_it_go_in(kb, tmp_path):
+    path = tmp_path / "sweep.csv"
+    path.write_text('name,lr,note\nok-1,0.1,fine\nbad,0.2,"unclosed\nok-2,0.3,x\nok-3,0.4,"a, b"\n')
+    report = kb.ingest(str(path), index=False)
+    assert [(f["line"], f["error"]) for f in report.failed] == [
+        (3, "a quoted cell that starts on this line is never closed")]
+    assert {r.name: r.config["note"] for r in kb.runs()} == {"ok-1": "fine", "ok-2": "x", "ok-3": "a, b"}
+
+
+def test_long_cells_huge_integers_and_a_long_column_name(kb, tmp_path):
+    long_name = "k" * 201
+    path = write_table(tmp_path / "t.csv", [
+        ["name", "notes_text", "digits", long_name],
+        ["a", "x" * 200_000, "9" * 5000, ""],                    # past csv's 128 KiB cell, past int()'s 4,300 digits
+        ["b", "y", "12", "1"],                                   # fills the column no key can be named after
+    ])
+    report = kb.ingest(str(path), index=False)
+    [run] = kb.runs()
+    assert run.config == {"notes_text": "x" * 200_000, "digits": "9" * 5000}
+    [failed] = report.failed
+    assert (failed["line"], failed["field"]) == (3, long_name) and "200" in failed["error"]
+
+
+def test_sniffing_ignores_a_spreadsheets_trailing_delimiters(kb, tmp_path):
+    path = tmp_path / "euro.csv"
+    path.write_text("name;lr;seed\nr1;0,5;1;\nr2;0,25;2;;\n")
+    assert kb.ingest(str(path), index=False).failed == []
+    assert {r.name: r.config for r in kb.runs()} == {"r1": {"lr": 0.5, "seed": 1}, "r2": {"lr": 0.25, "seed": 2}}
+
+
+def test_an_error_in_a_key_with_dots_names_its_own_column(kb, tmp_path):
+    path = write_table(tmp_path / "t.csv", [["name", "a", "a.b"], ["r", "1", "x\x00y"]])
+    [failed] = kb.ingest(str(path), index=False).failed
+    assert failed["field"] == "a.b" and "NUL" in failed["error"]
+
+
+def test_parquet_values_python_cannot_hold_refuse_their_row(kb, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "runs.parquet"
+    pq.write_table(pa.table({
+        "name": ["far", "near"], "lr": [0.1, 0.2],
+        "when": pa.array([10**12, 0], pa.timestamp("s")),        # year 33658: no Python datetime
+        "tags": pa.array([["a"], ["b", None]], pa.list_(pa.string())),      # a null item is no tag
+    }), path)
+    report = kb.ingest(str(path), index=False)
+    assert [(f["field"], f["line"]) for f in report.failed] == [("row-1.when", None)]
+    [run] = kb.runs()
+    assert run.name == "near" and run.config == {"lr": 0.2, "when": "1970-01-01T00:00:00"} and run.tags == ["b"]
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(path.read_bytes()[:-20])
+    [failed] = kb.ingest(str(broken), format="table", index=False).failed
+    assert failed["error"].startswith("not a readable Parquet file") and "\n" not in failed["error"]
