@@ -219,3 +219,15 @@ def test_cli_big_queries_and_the_sort_that_crashed_sqlite(cli):
         assert proc.returncode == 2, (args[:2], proc.returncode, proc.stderr[-500:])
         first = proc.stderr.splitlines()[0]
         assert first.startswith("error: ") and words in first and "Traceback" not in proc.stderr
+
+
+def test_cli_refuses_a_bad_query_before_opening_the_store(tmp_path):
+    env = dict(os.environ, KB_HOME=str(tmp_path / "home"))
+    env.pop("KB_DATABASE_URL", None)
+    for args, words in [(("runs", "--where", "config.x =", "--project", "p"), "at column 11"),
+                        (("runs", "--sort", ", ".join(["config.x"] * 17)), "more than 16 sort keys"),
+                        (("search", "loss", "--where", "config.x = 1e999"), "number out of range"),
+                        (("runs", "--limit", str(2**63)), "--limit")]:
+        proc = kb_cli(env, *args)
+        assert proc.returncode == 2 and words in proc.stderr.splitlines()[0], (args, proc.stderr)
+        assert not (tmp_path / "home").exists()

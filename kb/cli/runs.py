@@ -65,12 +65,13 @@ def ingest(obj, paths, fmt, project, maps, no_index, show_skipped, as_json):
 @click.command()
 @click.option("--where", "where", help="Filter, e.g. \"config.optim.lr > 1e-3 or status = 'diverged'\".")
 @click.option("--sort", help="Sort key, '-' prefix for descending, e.g. summary.val/loss.")
-@click.option("--limit", type=click.IntRange(min=1), help="At most N runs.")
+@click.option("--limit", type=click.IntRange(min=1, max=2**63 - 1), help="At most N runs.")   # SQL's LIMIT: 64 bits
 @click.option("--project", help="Only this project.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
 def runs(obj, where, sort, limit, project, as_json):
     """List runs."""
+    _check_query(where, sort)
     found = obj.kb().runs(where=where, sort=sort, limit=limit, project=project)
     if as_json:
         emit_json([r.as_dict() for r in found])
@@ -141,12 +142,23 @@ def reindex(obj, as_json):
 @click.pass_obj
 def search(obj, text, limit, kind, project, where, as_json):
     """Semantic search over run cards and notes."""
+    _check_query(where, None)
     hits = obj.kb().search(text, limit=limit, where=where, kind=kind, project=project)
     if as_json:
         emit_json([{"id": h.payload.get("ref_id"), "kind": h.payload.get("kind"), "score": h.score} for h in hits])
         return
     table([[f"{h.score:.3f}", h.payload.get("kind"), h.payload.get("ref_id"), h.payload.get("label", "")]
            for h in hits], ["score", "kind", "id", "name"])
+
+
+def _check_query(where: str | None, sort: str | None) -> None:
+    """A malformed --where or --sort fails before the store is opened, its column counted in the
+    text as typed (`--project` is added to the query later)."""
+    from kb.query import parse, parse_sort
+    if where:
+        parse(where)
+    if sort:
+        parse_sort(sort)
 
 
 def _short(src: str) -> str:
