@@ -134,25 +134,25 @@ def record(e: int, i: int, base: dict, change: dict, rng: random.Random) -> dict
 
 
 class RefreshClock:
-    """Seconds spent in the ablation refresh (kb.ablation_store.refresh, which the ingest calls
-    by name at its end), to tell it apart from the rest of an ingest."""
+    """Seconds spent in the ablation refresh (kb.ablation_store.refresh_all, which the ingest
+    looks up by name at its end), to tell it apart from the rest of an ingest."""
 
     def __init__(self):
         import kb.ablation_store as store
-        self.store, self.inner, self.spent = store, store.refresh, []
+        self.store, self.inner, self.spent = store, store.refresh_all, []
 
     def __enter__(self):
-        def refresh(conn):
+        def refresh_all(engine):
             t = time.perf_counter()
             try:
-                return self.inner(conn)
+                return self.inner(engine)
             finally:
                 self.spent.append(time.perf_counter() - t)
-        self.store.refresh = refresh
+        self.store.refresh_all = refresh_all
         return self
 
     def __exit__(self, *exc):
-        self.store.refresh = self.inner
+        self.store.refresh_all = self.inner
 
 
 def fill(k, tmp: Path, size: int) -> tuple[list[dict], float]:

@@ -22,7 +22,7 @@ from collections import defaultdict
 from typing import Iterable, Iterator
 
 from sqlalchemy import and_, delete, insert, select, text, update
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
 from kb.ablations import (TAG, Config, bucket_ablations, covered_by, find_ablations, group_runs, name_of,
                           run_fields, signed, tag_ablation, tagged_factors)
@@ -35,6 +35,7 @@ from kb.query_sql import codepoint
 ABLATION_FIELDS = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunField.key) < "ablations/")
 LOCK_KEY = 7243002          # Postgres advisory lock of the refresh (7243001 guards migrations)
 CHUNK = 500                 # ids per IN list (Postgres takes 65,535 parameters, old SQLite 999)
+REFRESH_BATCH = 500         # queued runs per refresh transaction (~1 s: 2 ms a run at 10,000 runs)
 
 _RUNS = Run.__table__
 _ABL = Ablation.__table__
@@ -56,14 +57,26 @@ def queue_project(conn: Connection, project: str) -> None:
     conn.execute(insert(_QUEUE), {"run_id": None, "project": project})
 
 
-def refresh(conn: Connection) -> int:
-    """Bring every ablation up to date with the runs queued so far; returns the entries taken.
+def refresh_all(engine: Engine) -> int:
+    """`refresh` in transactions of REFRESH_BATCH queued entries until the queue is empty (a bulk
+    load's refresh holds SQLite's write lock about a second at a time, as its writes did)."""
+    total = 0
+    while True:
+        with engine.begin() as conn:
+            taken = refresh(conn, REFRESH_BATCH)
+        total += taken
+        if taken < REFRESH_BATCH:
+            return total
 
-    Runs in the caller's transaction, which it commits."""
+
+def refresh(conn: Connection, limit: int | None = None) -> int:
+    """Bring ablations up to date with the runs queued so far, the first `limit` entries of the
+    queue when given; returns the entries taken. In the caller's transaction, which it commits."""
     if conn.execute(select(_QUEUE.c.id).limit(1)).first() is None:
         return 0                    # nothing queued: no lock taken (another writer may hold it)
     _lock(conn)
-    queued = conn.execute(select(_QUEUE.c.id, _QUEUE.c.run_id, _QUEUE.c.project)).all()
+    stmt = select(_QUEUE.c.id, _QUEUE.c.run_id, _QUEUE.c.project).order_by(_QUEUE.c.id)
+    queued = conn.execute(stmt.limit(limit) if limit else stmt).all()
     if not queued:
         return 0
     whole = {q.project for q in queued if q.run_id is None}

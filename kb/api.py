@@ -161,13 +161,12 @@ class KnowledgeBase:
             report.projects.add(record.project)
 
     def _after_writes(self, report: IngestReport, index: bool) -> None:
-        from kb.ablation_store import refresh
+        from kb.ablation_store import refresh_all
         from kb.notes import drop_chunks_beyond
         for uri, n in report.note_chunks.items():
             with Session(self.engine) as s, s.begin():
                 drop_chunks_beyond(s, uri, n)      # a document that got shorter
-        with self.engine.begin() as conn:     # after the runs' commit; also what a crash left queued
-            refresh(conn)
+        refresh_all(self.engine)       # after the runs' commit; also what a crash left queued
         if self.engine.dialect.name == "postgresql" and report.added + report.updated > ANALYZE_AFTER:
             # fresh statistics after a bulk load, in case autovacuum is off or behind
             with self.engine.connect() as conn:

@@ -172,6 +172,21 @@ def test_a_run_queued_before_a_crash_is_refreshed_by_the_next_ingest(kb, tmp_pat
     assert _state(kb, "p") == _rebuilt(kb, "p")
 
 
+def test_a_bulk_load_is_refreshed_in_several_transactions(kb, tmp_path, monkeypatch):
+    """refresh_all takes the queue REFRESH_BATCH entries at a time (SQLite's write lock is held
+    about a second at a time); the ablations come out whole all the same."""
+    import kb.ablation_store as store
+    monkeypatch.setattr(store, "REFRESH_BATCH", 2)
+    records = [run(f"b{s}-{lr}-{norm}", 3.0 - lr * 100 + 0.01 * s, lr=lr, seed=s, norm=norm)
+               for s in range(2) for lr in (1e-3, 2e-3) for norm in ("layernorm", "rmsnorm")]
+    ingest(kb, tmp_path, records + [run("tagged", 2.0, lr=5e-3, tags=["ablation:recipe"]),
+                                    run("tagged2", 2.1, norm="x", tags=["ablation:recipe"])])
+    with kb.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM ablationpending")).scalar() == 0
+    state = _state(kb, "p")
+    assert len(state["ablations"]) == 5 and state == _rebuilt(kb, "p")
+
+
 def test_a_queued_project_is_recomputed_whole(kb, tmp_path):
     """What migration 0007 does for the ablations found before it: the project is queued whole."""
     from kb.ablation_store import queue_project, refresh
