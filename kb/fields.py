@@ -13,7 +13,6 @@ import re
 from functools import lru_cache
 from typing import Any, Iterator
 
-from kb.records import json_safe
 
 NAMESPACES = ("config", "summary", "scale", "stats", "hparams", "anomalies", "failure", "tags", "ablations")
 BARE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_/\-]*\Z")
@@ -29,16 +28,22 @@ def canonical(path: list[str] | tuple[str, ...]) -> str:
     return ".".join(quote(str(s)) for s in path)
 
 
+def spelled(x: float) -> str:
+    """A non-finite number as JSON-bound values write it (kb.records.json_safe, curve values in
+    `kb show --json`): "NaN", "Infinity" or "-Infinity"."""
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
 def typed(value: Any) -> tuple[str, float | None, str | None]:
     """(vtype, num, text) as stored in RunField; NaN and inf are kept as text, not numbers,
-    spelled as every source stores them ("NaN", "Infinity", "-Infinity": kb.records.json_safe)."""
+    spelled as every source stores them (`spelled`)."""
     if value is None:
         return "z", None, None
     if isinstance(value, bool):
         return "b", float(value), None
     if isinstance(value, (int, float)):
         if isinstance(value, float) and not math.isfinite(value):
-            return "s", None, json_safe(value)
+            return "s", None, spelled(value)
         return "n", float(value), None
     if isinstance(value, str):
         return "s", None, value

@@ -20,6 +20,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, Stri
 from pydantic_core import to_json
 
 from kb.errors import InvalidRecord
+from kb.fields import canonical, spelled
 
 Status = Literal["completed", "failed", "diverged", "running", "killed"]
 FailureKind = Literal["diverged", "loss_spike", "oom", "nccl_timeout", "hardware", "killed",
@@ -190,6 +191,8 @@ class RunRecord(StrictRecord):
     @field_validator("metrics")
     @classmethod
     def _steps(cls, v):
+        if not all(v.values()):            # a curve without points is no curve: nothing to store
+            v = {key: points for key, points in v.items() if points}
         for key, points in v.items():
             if not key:
                 raise ValueError("metric name must not be empty")
@@ -199,6 +202,15 @@ class RunRecord(StrictRecord):
             if steps and (min(steps) < 0 or max(steps) > INT64):
                 i = next(i for i, step in enumerate(steps) if step < 0 or step > INT64)
                 raise ValueError(f"metrics.{key}.{i}.0: step {steps[i]} is out of range (0 to 2**63-1)")
+        return v
+
+    @field_validator("started_at", "ended_at", mode="before")
+    @classmethod
+    def _iso(cls, v):
+        """A time is written as ISO-8601: pydantic would read a number as Unix seconds, or as
+        milliseconds past a size it picks, and `true` as 1970-01-01T00:00:01."""
+        if isinstance(v, (int, float)):
+            raise ValueError(f"a time is an ISO-8601 string, got {_as_json(v)}")
         return v
 
     @field_validator("started_at", "ended_at")
@@ -220,9 +232,6 @@ class RunRecord(StrictRecord):
         return self
 
 
-NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
-
-
 def json_safe(value: Any, _depth: int = 0) -> Any:
     """The one conversion every source's values go through, so a value is stored the same way
     whatever wrote it: NaN and infinities become the strings "NaN", "Infinity", "-Infinity"
@@ -235,9 +244,7 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
     if isinstance(value, int):
         return value if -INT64 - 1 <= value <= INT64 else str(value)
     if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        return NONFINITE.get(value, value)
+        return value if math.isfinite(value) else spelled(value)
     if isinstance(value, (dict, list, tuple, set, frozenset)) and _depth >= MAX_DEPTH:
         return str(value)
     if isinstance(value, dict):
@@ -307,11 +314,10 @@ def _check_json(value: Any, path: tuple, keyed: bool = False) -> None:
 
 
 def _key_too_long(path: tuple) -> bool:
-    """Whether a leaf's stored key (kb.fields.canonical) is over MAX_KEY. Quoting at most doubles
+    """Whether a leaf's stored key (`canonical`) is over MAX_KEY. Quoting at most doubles
     a segment and adds two quotes, so most paths are cleared without spelling the key."""
     if 2 * sum(map(len, path)) + 3 * len(path) <= MAX_KEY:
         return False
-    from kb.fields import canonical      # kb.fields builds on this module
     return len(canonical(path)) > MAX_KEY
 
 
@@ -326,6 +332,11 @@ def parse_run(data: Any) -> RunRecord:
         raise InvalidRecord(f"a run record is a JSON object, got {type(data).__name__}")
     try:
         return RunRecord.model_validate(data)
+    except UnicodeEncodeError:
+        # pydantic refuses a lone surrogate in some places (a metric's name) before any validator
+        # sees it, and without saying where: find it
+        path, text = _first_surrogate(data)
+        raise InvalidRecord(text_problem(text) or "not Unicode text", field=_shown(path)) from None
     except ValidationError as exc:
         err = exc.errors()[0]
         raw = err["loc"]
@@ -347,6 +358,21 @@ def parse_run(data: Any) -> RunRecord:
         if ": " in msg and (head == loc or head.startswith(loc.split(".")[0] + ".")):
             loc, msg = msg.split(": ", 1)
         raise InvalidRecord(msg, field=loc) from None
+
+
+def _first_surrogate(value: Any, path: tuple = ()) -> tuple[tuple, str]:
+    """(path, text) of the first key or string holding a lone surrogate, or ((), "")."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and not k.isascii() and text_problem(k):
+            return path + (k.encode("utf-8", "backslashreplace").decode(),), k
+        if isinstance(v, str) and not v.isascii() and text_problem(v):
+            return path + (str(k),), v
+        if isinstance(v, (dict, list)):
+            found = _first_surrogate(v, path + (str(k),))
+            if found[1]:
+                return found
+    return path, ""
 
 
 def _point_problem(point: Any) -> tuple[int | None, str | None]:
@@ -399,7 +425,7 @@ _BEFORE_METRICS = set(_FIELDS[:_FIELDS.index("metrics")])
 _AFTER_METRICS = set(_FIELDS[_FIELDS.index("metrics") + 1:])
 
 
-class NoteRecord(Strict):
+class NoteRecord(StrictRecord):
     """Free text: a postmortem, design doc or review note (one chunk of one, for long documents)."""
     id: str | None = None
     project: str = "default"

@@ -21,7 +21,7 @@ from kb.cards import run_card
 from kb.fields import FIELD_COLUMNS, field_tuples
 from kb.indexer import queue_index
 from kb.models import NULL_VALUE, NULL_WALL, Ablation, Anomaly, Failure, MetricPoint, Run, RunField, RunPublic, utcnow
-from kb.records import RunRecord, content_hash, json_safe
+from kb.records import INT64, RunRecord, content_hash, json_safe
 
 Outcome = Literal["added", "updated", "unchanged"]
 _RUNS = Run.__table__
@@ -31,7 +31,8 @@ MAX_TOKENS_PER_STEP = 2**27     # past any real global batch: a batch that big i
 
 
 def derive_scale(record: RunRecord, stats: dict, hp: dict) -> dict:
-    """Scale as given, filled in from config where it can be computed (and only then).
+    """Scale as given, filled in from config where it can be computed (and only then: a count
+    past 64 bits, or compute past a float, is no scale a run had, so it is left out).
 
     `hp` holds the config's canonical hyperparameters (kb.vocab.canonical_hparams)."""
     scale = record.scale.model_dump(exclude_none=True)
@@ -40,7 +41,7 @@ def derive_scale(record: RunRecord, stats: dict, hp: dict) -> dict:
         layers, width = num.get("n_layer"), num.get("d_model")
         if layers and width:
             # 12·L·d² for attention + MLP blocks, plus the (tied) embedding
-            scale["params"] = int(12 * layers * width**2 + (num.get("vocab_size") or 0) * width)
+            _put(scale, "params", lambda: 12 * layers * width**2 + (num.get("vocab_size") or 0) * width)
     if "tokens" not in scale:
         batch, seq = num.get("batch_size"), num.get("seq_len")
         last = max((s["last_step"] for s in stats.values()), default=None)
@@ -48,10 +49,22 @@ def derive_scale(record: RunRecord, stats: dict, hp: dict) -> dict:
             # a batch counted in sequences times the sequence length, unless that is more tokens
             # per step than any real run: then the batch was already counted in tokens
             per_step = batch * seq if batch * seq <= MAX_TOKENS_PER_STEP else batch
-            scale["tokens"] = int(per_step * last)
+            _put(scale, "tokens", lambda: per_step * last)
     if "flops" not in scale and scale.get("params") and scale.get("tokens"):
-        scale["flops"] = 6.0 * scale["params"] * scale["tokens"]      # the usual 6·N·D
+        flops = 6.0 * scale["params"] * scale["tokens"]      # the usual 6·N·D
+        if math.isfinite(flops):
+            scale["flops"] = flops
     return scale
+
+
+def _put(scale: dict, name: str, count) -> None:
+    """scale[name] = int(count()) where that is a number a BIGINT column holds."""
+    try:
+        value = count()
+    except OverflowError:                # a float squared past its range
+        return
+    if -INT64 - 1 <= value <= INT64:     # False for NaN and infinities too
+        scale[name] = int(value)
 
 
 def run_id_for(record: RunRecord, source_kind: str, source_uri: str, digest: str) -> str:
@@ -167,7 +180,8 @@ def _bulk(session: Session, model, rows: list, columns: tuple[str, ...] | None =
 
 
 def _int(v):
-    return int(v) if v is not None else None
+    """A promoted integer column's value: None where there is none, or none that fits."""
+    return int(v) if v is not None and -INT64 - 1 <= v <= INT64 else None
 
 
 def _hp(hp: dict, name: str):
@@ -207,6 +221,8 @@ def read_detail(session: Session, row: Run) -> RunDetail:
         if wall is not None or nulls & NULL_WALL:
             point.append(wall)
         metrics.setdefault(key, []).append(point)
+    # in the record's order (the stats JSON keeps it), not the database's collation of the names
+    metrics = {k: metrics[k] for k in row.stats if k in metrics} | metrics
     failures = [{"id": str(f.id), "kind": f.kind, "step": f.step, "message": f.message,
                  "evidence": f.evidence, "origin": f.origin}
                 for f in session.execute(select(Failure).where(Failure.run_id == row.id).order_by(Failure.id)).scalars()]

@@ -7,12 +7,14 @@ import sys
 
 import click
 
+from kb.fields import spelled
+
 
 def _clean(value):
     """JSON has no NaN: a non-finite number prints as the contract spells it ("NaN", "Infinity",
     "-Infinity"), never as null, which means no value."""
     if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        return spelled(value)
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
