@@ -29,6 +29,7 @@ from kb.query import (COLUMNS, OPS, ORDERING, And, Compare, Exists, In, Literal,
 
 _RF = RunField.__table__.c      # Core columns for the subqueries: an ORM select compiles ~2x slower
 
+
 class codepoint(FunctionElement):
     """Text in code-point order: COLLATE "C" on Postgres; SQLite's default BINARY already is."""
     inherit_cache = True
@@ -169,8 +170,8 @@ def _sql(node: Node) -> ColumnElement[bool]:
 
 
 def _field_cond(node: Compare | In, f, drive: bool = False) -> ColumnElement[bool]:
-    """The test node puts on one RunField row; f is RunField or an alias of it. `drive` marks
-    the value test as the one the plan starts from (`driving`)."""
+    """The test node puts on one RunField row; f is its columns (_RF) or an alias of RunField.
+    `drive` marks the value test as the one the plan starts from (`driving`)."""
     mark = driving if drive else _same
     if isinstance(node, In):
         return _field_in(node.values, f, mark)
