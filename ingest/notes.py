@@ -269,7 +269,8 @@ class NotesIngester:
         if b"\0" in raw[:8192]:
             yield rejected(path, "binary file, not a text note")
             return
-        records = note_records(path, raw.decode("utf-8", errors="replace"))
+        # a stray NUL further in is no text (Postgres cannot store it): dropped, as from logs
+        records = note_records(path, raw.replace(b"\0", b"").decode("utf-8", errors="replace"))
         if not records:
             yield rejected(path, "empty note: no text outside headings")
             return

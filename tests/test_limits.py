@@ -116,6 +116,13 @@ def test_nul_is_rejected_alike_on_both_stores_and_the_batch_goes_on(kb, tmp_path
     assert_rejected(report, path, field, "NUL")
 
 
+def test_a_note_with_a_stray_nul_past_its_head_goes_in_on_both_stores(kb, tmp_path):
+    path = tmp_path / "postmortem.md"
+    path.write_text("# Postmortem\n\n" + "words " * 2000 + "\x00 after the NUL\n")
+    report = kb.ingest(str(path), index=False)
+    assert report.added > 0 and report.failed == []
+
+
 # ---- 4: nesting (RecursionError, and the next record lost) ------------------------------------
 
 @pytest.mark.parametrize("opener,closer", [("[", "]"), ('{"a":', "}")])
