@@ -31,9 +31,6 @@ naming its line (Parquet: `row-<n>`) and column; the other rows go in.
 """
 from __future__ import annotations
 
-import csv
-import io
-import itertools
 import math
 import re
 from pathlib import Path
@@ -41,7 +38,8 @@ from typing import Any, Callable, Iterator
 
 from ingest.base import register, rejected
 from kb.errors import InvalidRecord
-from kb.records import MAX_NAME, MAX_TEXT, Item, Parsed, json_safe, parse_run, text_problem
+from ingest.table_csv import header_index, not_utf8, printable, rows, sniff, text_lines
+from kb.records import MAX_NAME, Item, Parsed, json_safe, parse_run, text_problem
 from kb.vocab import column_target, fold
 
 SUFFIXES = {".csv", ".tsv", ".parquet", ".pq"}
@@ -53,7 +51,6 @@ SCALE_KEYS = {"params": int, "tokens": int, "gpus": int, "flops": float, "gpu_ho
 STATUS_WORDS = {"finished": "completed", "done": "completed", "success": "completed",
                 "succeeded": "completed", "crashed": "failed", "error": "failed",
                 "preempted": "killed", "cancelled": "killed", "canceled": "killed"}
-DELIMITERS = (",", ";", "\t", "|")
 SIZE_UNITS = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 # ASCII digits only: `\d` alone would read "1٢" (an Arabic-Indic two) as 12
@@ -63,7 +60,6 @@ DECIMAL_COMMA = re.compile(r"[+-]?\d+,\d+([eE][+-]?\d+)?", re.A)
 NONFINITE = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
 SIZED = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT])", re.A)
 MISSING = object()
-QUOTE_RESTARTS = 100       # unclosed quotes read around before the rest of a file is refused
 
 Target = tuple[str, tuple[str, ...]]       # ("scale" | "summary" | "config" | "field" | "drop", path)
 
@@ -279,39 +275,31 @@ def _column_of(plan: dict[str, Target], field: str) -> str:
 
 def _read_text(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
     try:
-        raw = path.read_bytes()
+        lines, undecodable = text_lines(path.read_bytes())
     except OSError as exc:
         yield rejected(path, f"cannot read: {exc.strerror or exc}")
         return
-    # Excel writes a byte-order mark. Bytes that are not UTF-8 stay as surrogate escapes, so only
-    # the rows that hold them are refused, not the file.
-    text = raw.decode("utf-8-sig", errors="surrogateescape")
-    undecodable = not text.isascii() and _undecodable(text)
-    lines = list(io.StringIO(text, newline=""))        # physical lines, ends kept (\n, \r\n, \r)
-    first = _header_index(lines)
-    if csv.field_size_limit() < MAX_TEXT:
-        csv.field_size_limit(MAX_TEXT)     # the default is 128 KiB; a record holds longer text (process-wide, only raised)
-    sample = "".join(lines[first:first + 200])[:16384]
-    delimiter = "\t" if path.suffix.lower() == ".tsv" else _sniff(sample)
-    rows = _rows(lines, first, delimiter)
-    line, header, error = next(rows, (first + 1, None, None))
+    first = header_index(lines)
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else sniff(lines, first)
+    found = rows(lines, first, delimiter)
+    head, header, error = next(found, (first + 1, None, None))
     if error or not header:
-        yield rejected(path, f"header row: {error}" if error else "empty table: no header row", line=line)
+        yield rejected(path, f"header row: {error}" if error else "empty table: no header row", line=head)
         return
     columns = [c.strip() for c in header]
-    if undecodable and (bad := next((i for i, c in enumerate(columns) if _undecodable(c)), None)) is not None:
-        yield rejected(path, "the header is not UTF-8", line=line, field=_printable(columns[bad]))
+    if undecodable and (bad := next((c for c in columns if not_utf8(c)), None)) is not None:
+        yield rejected(path, "the header is not UTF-8", line=head, field=printable(bad))
         return
     try:
         plan = _plan(columns, overrides)
     except InvalidRecord as exc:
-        yield rejected(path, exc.error, line=line, field=exc.field)
+        yield rejected(path, exc.error, line=head, field=exc.field)
         return
     unusable = _unusable(plan)
     # in a `;`-separated file a comma is the decimal mark (European spreadsheets)
     typed = _typed_decimal_comma if delimiter == ";" else _typed
     n = 0
-    for line, cells, error in rows:
+    for line, cells, error in found:
         if error:
             n += 1
             yield rejected(path, error, line=line)
@@ -324,7 +312,8 @@ def _read_text(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
                            line=line)
             continue
         row = dict(zip(columns, cells))
-        if undecodable and (bad := next((c for c in plan if _undecodable(row.get(c, ""))), None)) is not None:
+        if undecodable and (bad := next((c for c, (space, _) in plan.items()
+                                         if space != "drop" and not_utf8(row.get(c, ""))), None)) is not None:
             yield rejected(path, "the cell is not UTF-8", line=line, field=bad)
             continue
         try:
@@ -334,99 +323,13 @@ def _read_text(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
             continue
         yield _validated(path, plan, native, f"{_text(str(path))}#row-{n}", line)
     if not n:
-        yield rejected(path, "no data rows under the header", line=line)
-
-
-def _rows(lines: list[str], pos: int, delimiter: str) -> Iterator[tuple[int, list[str] | None, str | None]]:
-    """(first line number, cells, None) for each CSV row in lines[pos:], or (line number, None, why)
-    for a row that cannot be read: a cell over the size limit, or a quote that is never closed,
-    which would swallow every line after it as one cell; those lines are read again as rows."""
-    restarts = 0
-    while pos < len(lines):
-        reader = csv.reader(itertools.islice(lines, pos, None), delimiter=delimiter)
-        at = 0                                   # lines the reader has consumed
-        while True:
-            try:
-                cells = next(reader)
-            except StopIteration:
-                return
-            except csv.Error as exc:
-                yield pos + at + 1, None, f"not readable as CSV: {exc}"
-                at = reader.line_num
-                continue
-            start, at = pos + at, reader.line_num
-            if pos + at == len(lines) and pos + at - start > 1 and _unclosed(lines[start:], delimiter):
-                restarts += 1
-                if restarts > QUOTE_RESTARTS:
-                    yield start + 1, None, (f"more than {QUOTE_RESTARTS} quotes are never closed; "
-                                            "the rest of the file is not read")
-                    return
-                yield start + 1, None, "a quoted cell that starts on this line is never closed"
-                pos = start + 1
-                break
-            yield start + 1, cells, None
-
-
-def _unclosed(lines: list[str], delimiter: str) -> bool:
-    """Whether the row that starts these lines runs to the end of the file inside a quoted cell."""
-    try:
-        for _ in csv.reader(lines, delimiter=delimiter, strict=True):
-            pass
-    except csv.Error:
-        return True
-    return False
-
-
-def _header_index(lines: list[str]) -> int:
-    """The index of the header line: past leading blank lines and `#` comments."""
-    for i, line in enumerate(lines):
-        if line.strip() and not line.lstrip().startswith("#"):
-            return i
-    return len(lines)
-
-
-def _undecodable(text: str) -> bool:
-    """Whether `text` holds bytes that were not UTF-8 (decoded as surrogate escapes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _printable(text: str) -> str:
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        yield rejected(path, "no data rows under the header", line=head)
 
 
 def _text(name: str) -> str:
     """A file name as text: bytes that are not UTF-8 (kept by the OS as surrogate escapes, which
     no store holds) written as `\\xff`, so a row's run name and source stay unique and stable."""
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-
-
-def _sniff(sample: str) -> str:
-    """The delimiter that splits the header into columns and the most data lines into at most as
-    many (trailing empty cells aside: spreadsheets pad rows); ties go to the wider header."""
-    lines = sample.splitlines()
-    if len(lines) > 1 and not sample.endswith(("\n", "\r")):
-        lines = lines[:-1]                     # the sample cut a line short
-    best, score = ",", (-1, 0)
-    for d in DELIMITERS:
-        rows = [row for row in csv.reader(lines[:50], delimiter=d) if row]
-        if not rows or len(rows[0]) < 2:
-            continue
-        width = len(rows[0])
-        fit = sum(1 for row in rows[1:] if len(row) > 1 and len(_trimmed(row)) <= width)
-        if (fit, width) > score:
-            best, score = d, (fit, width)
-    return best
-
-
-def _trimmed(row: list[str]) -> list[str]:
-    end = len(row)
-    while end and not row[end - 1].strip():
-        end -= 1
-    return row[:end]
 
 
 def _typed(cell: str) -> Any:
@@ -470,7 +373,7 @@ def _has_rows(path: Path) -> bool:
     except OSError:
         return False
     lines = text.splitlines()
-    return sum(1 for ln in lines[_header_index(lines):] if ln.strip()) >= 2
+    return sum(1 for ln in lines[header_index(lines):] if ln.strip()) >= 2
 
 
 # -- Parquet ----------------------------------------------------------------------------------
@@ -501,7 +404,7 @@ def _read_parquet(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
             break
         if batch is None:
             break
-        for cells, unreadable in _batch_rows(batch):
+        for cells, unreadable in _batch_rows(batch, plan):
             n += 1
             where = f"row-{n}."        # Parquet has no lines: the row, as in the source URI
             if unreadable:
@@ -518,25 +421,28 @@ def _read_parquet(path: Path, overrides: dict[str, Target]) -> Iterator[Item]:
         yield rejected(path, "no rows")
 
 
-def _batch_rows(batch) -> Iterator[tuple[dict[str, Any], tuple[str, str] | None]]:
+def _batch_rows(batch, plan: dict[str, Target]) -> Iterator[tuple[dict[str, Any], tuple[str, str] | None]]:
     """({column: value}, None) per row of a record batch, or (cells, (column, why)) for a row
-    holding a value Python cannot represent (a timestamp past the year 9999)."""
+    holding a value Python cannot represent (a timestamp past the year 9999) in a column it keeps."""
     import pyarrow as pa
 
     columns: dict[str, list] = {}
     broken: dict[int, tuple[str, str]] = {}
     for name, array in zip(batch.schema.names, batch.columns):
+        name = name.strip()
         try:
-            columns[name.strip()] = array.to_pylist()
+            columns[name] = array.to_pylist()
         except (ArithmeticError, ValueError, pa.ArrowException):
+            kept = plan.get(name, ("drop",))[0] != "drop"
             values = []
             for i in range(len(array)):           # only a column that failed whole goes value by value
                 try:
                     values.append(array[i].as_py())
                 except (ArithmeticError, ValueError, pa.ArrowException) as exc:
                     values.append(None)
-                    broken.setdefault(i, (name.strip(), _one_line(exc)))
-            columns[name.strip()] = values
+                    if kept:
+                        broken.setdefault(i, (name, _one_line(exc)))
+            columns[name] = values
     for i in range(batch.num_rows):
         yield {c: values[i] for c, values in columns.items()}, broken.get(i)
 
