@@ -317,3 +317,27 @@ def test_parquet_values_python_cannot_hold_refuse_their_row(kb, tmp_path):
     broken.write_bytes(path.read_bytes()[:-20])
     [failed] = kb.ingest(str(broken), format="table", index=False).failed
     assert failed["error"].startswith("not a readable Parquet file") and "\n" not in failed["error"]
+
+
+@pytest.mark.slow        # ~10 s: two `kb` subprocesses
+def test_cli_hostile_folder_exits_2_naming_file_line_and_column(tmp_path, database_url):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "sweep.csv").write_bytes(b"name,lr,params\nok,0.1,1e8\nbad-bytes,\xff,1e8\nbad-params,0.2,lots\n"
+                                       b'open,0.3,"1e8\nok-2,0.4,2e8\n')
+    (folder / "train.log").write_bytes(b"\xef\xbb\xbf" + b"\x00" * 8 + b"step 1e999: loss 2\nstep 1: loss 2.5\n"
+                                       + b"{" * 5000 + b"\n" + b"x" * 300_000 + b"\n")
+    env = dict(os.environ, KB_HOME=str(tmp_path / "home"), KB_DATABASE_URL=database_url, HF_HUB_OFFLINE="1")
+    out = subprocess.run([KB, "ingest", str(folder), "--no-index", "--json"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 2, out.stderr
+    report = json.loads(out.stdout)
+    csv_path = str(folder / "sweep.csv")
+    assert report["added"] == 3                                  # ok, ok-2 and the log
+    assert {(f["source"], f["line"], f["field"]) for f in report["failed"]} == {
+        (csv_path, 3, "lr"), (csv_path, 4, "params"), (csv_path, 5, "")}
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith(f"error: {csv_path}:") for line in lines), out.stderr
+    runs = json.loads(subprocess.run([KB, "runs", "--json"], capture_output=True, text=True, env=env,
+                                     timeout=300).stdout)
+    assert sorted(r["name"] for r in runs) == ["ok", "ok-2", "train"]
