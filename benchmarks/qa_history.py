@@ -2,16 +2,15 @@
 (benchmarks/qa_eval.py) and its CI slice (tests/test_qa_quality.py).
 
     h = make_history("full")       # 500 native runs in 6 projects, 10 notes, 12 MLflow runs, 8 TensorBoard runs
-    build(kb, h, folder)           # writes the files a team would have and ingests them the real way
+    build(kb, h, folder)           # benchmarks/qa_build.py: the files a team would have, ingested the real way
 
 What a team's history looks like: learning-rate x warmup x batch sweeps at four model sizes
 (125M / 350M / 760M / 1.3B, as `scale.params`), a token-budget scaling study, norm and position
 ablations with seeds, data-mixture runs logged under other names (`eval_loss`, `learning_rate`),
 long-context runs, and a production run's restarts with OOMs, NCCL timeouts, a bad GPU and a
 divergence. Too-high learning rates diverge (sooner with a short warmup), with failure records
-and evidence lines; postmortems and design notes carry facts no run has. The MLflow runs are
-written by MlflowClient into a SQLite store and the TensorBoard runs by torch's SummaryWriter,
-and both go in through `kb ingest`, as a team's would.
+and evidence lines; postmortems and design notes carry facts no run has (benchmarks/qa_notes.py).
+A legacy project lives in MLflow and a warmup study in TensorBoard.
 
 Final losses come from a Chinchilla-style law (L = E + A/N^a + B/D^b, Hoffmann et al.'s fitted
 constants) plus penalties for a learning rate away from the size's best, a short warmup, layernorm,
@@ -20,16 +19,11 @@ decimals as written, so the facts the questions are scored against are exactly w
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import subprocess
-import sys
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 from benchmarks.qa_notes import NOTES
 
@@ -61,9 +55,6 @@ PLANS = {
 }
 MLFLOW_PROJECT, TB_PROJECT = "mlflow-legacy", "tb-warmup"
 EPOCH = datetime(2025, 1, 6, 9, 0, tzinfo=timezone.utc)
-# the installed `kb` beside this interpreter, else the same entry point through -c
-_KB = Path(sys.executable).with_name("kb")
-KB_COMMAND = [str(_KB)] if _KB.exists() else [sys.executable, "-c", "from kb.cli import run; run()"]
 
 
 @dataclass
@@ -370,78 +361,3 @@ def make_history(plan: str = "full") -> History:
 
 CI_NOTES = ("postmortem-sweep-divergence.md", "postmortem-nccl-timeouts.md", "design-rmsnorm.md",
             "tokenizer-decision.md", "untrusted-vendor-note.md", "oncall-oom.md")
-
-
-# ---- writing the files and ingesting them -----------------------------------------------------
-
-def write_files(h: History, folder: Path) -> dict[str, Path]:
-    """runs.jsonl, notes/*.md, an MLflow SQLite store and a TensorBoard tree, under `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    runs = folder / "runs.jsonl"
-    runs.write_text("".join(json.dumps(r) + "\n" for r in h.records))
-    notes = folder / "notes"
-    notes.mkdir(exist_ok=True)
-    for name, text in h.notes.items():
-        (notes / name).write_text(text)
-    mlflow_db = folder / "mlflow.db"
-    if not mlflow_db.exists():
-        _write_mlflow(h.mlflow, mlflow_db)
-    tb = folder / TB_PROJECT
-    if not tb.exists():
-        _write_tensorboard(h.tensorboard, tb)
-    return {"runs": runs, "notes": notes, "mlflow": mlflow_db, "tensorboard": tb}
-
-
-def _write_mlflow(runs: list[dict], path: Path) -> None:
-    from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
-    tmp = path.with_suffix(".partial")
-    tmp.unlink(missing_ok=True)
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
-    exp = client.create_experiment(MLFLOW_PROJECT, artifact_location=str(path.parent / "mlflow-artifacts"))
-    t0 = int(EPOCH.timestamp() * 1000)
-    for i, r in enumerate(runs):
-        run = client.create_run(exp, run_name=r["name"], start_time=t0 + i * 3_600_000)
-        metrics = [Metric(k, float(v), t0 + i * 3_600_000 + s, s) for k, pts in r["metrics"].items() for s, v in pts]
-        client.log_batch(run.info.run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in r["params"].items()])
-        client.set_terminated(run.info.run_id, status=r["status"])
-    tmp.rename(path)
-
-
-def _write_tensorboard(runs: list[dict], root: Path) -> None:
-    from tensorboard.plugins.hparams.summary_v2 import hparams_pb
-    from torch.utils.tensorboard import SummaryWriter
-    tmp = root.with_name(root.name + ".partial")
-    for r in runs:
-        with SummaryWriter(str(tmp / r["name"])) as w:
-            w.file_writer.add_summary(hparams_pb(r["hparams"]))
-            for key, pts in r["metrics"].items():
-                for step, value in pts:
-                    w.add_scalar(key, value, global_step=step, walltime=EPOCH.timestamp() + step)
-    tmp.rename(root)
-
-
-def build(kb, h: History, folder: Path) -> dict:
-    """Write the history's files and ingest them: MLflow and TensorBoard through `kb ingest` (a
-    subprocess on the same store), the native runs and notes through KnowledgeBase.ingest; then
-    index everything. Returns the ingest reports."""
-    paths = write_files(h, folder)
-    env = dict(os.environ, KB_HOME=str(kb.settings.home))
-    if kb.settings.database_url:
-        env["KB_DATABASE_URL"] = kb.settings.database_url
-    kb.release_index()        # the subprocess may want the embedded index
-    reports = {}
-    for label in ("mlflow", "tensorboard"):
-        target = f"sqlite:///{paths['mlflow']}" if label == "mlflow" else str(paths[label])
-        proc = subprocess.run([*KB_COMMAND, "ingest", target, "--json"], env=env,
-                              capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"kb ingest {target} exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-        reports[label] = json.loads(proc.stdout)
-    reports["native"] = kb.ingest(str(paths["runs"]), index=False).as_dict()
-    reports["notes"] = kb.ingest(str(paths["notes"]), index=False).as_dict()
-    for label, rep in reports.items():
-        if rep["failed"]:
-            raise RuntimeError(f"{label} ingest failed: {rep['failed'][:3]}")
-    kb.sync_index()
-    return reports

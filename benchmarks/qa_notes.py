@@ -1,6 +1,7 @@
 """The notes of the generated history (benchmarks/qa_history.py): postmortems, design notes, a
 meeting record and a vendor note carrying a prompt injection. Each plants facts that no run
-record holds (NOTE_FACTS), so questions about them can only be answered from the note.
+record holds (NOTE_FACTS), so the questions about them (FACT_QUESTIONS) can only be answered from
+the note.
 """
 from __future__ import annotations
 
@@ -144,4 +145,26 @@ NOTE_FACTS = {
     "val_set": "50M held-out tokens",
     "rope_base": "rope_theta) of 500,000",
     "warmup_owner": "Owner: Priya Raman",
+}
+
+# the question each fact answers, and what a right answer holds (benchmarks/qa_questions.py)
+FACT_QUESTIONS = {
+    "logits": ("How large did the attention logits get before the sweep runs diverged?", {"numbers": [4000]}),
+    "zloss": ("What z-loss coefficient did we add after the sweep divergences?", {"numbers": [1e-4]}),
+    "ib_cause": ("What was the root cause of the NCCL timeouts in the production run?",
+                 {"mentions": [["infiniband", "ib-leaf-14"]]}),
+    "ib_timeout": ("What did we raise NCCL_IB_TIMEOUT to?", {"numbers": [22]}),
+    "rms_speed": ("How much did RMSNorm speed up a training step?", {"mentions": [["7%", "7 %", "7 percent"]]}),
+    "ln_f": ("Where do we still use LayerNorm after the switch to RMSNorm?", {"mentions": [["ln_f", "final norm"]]}),
+    "vocab": ("Why is our vocab size 50,304?", {"mentions": [["multiple of 64"]]}),
+    "tok_data": ("How much data was the tokenizer trained on?", {"mentions": [["40 gb", "40gb"]]}),
+    "vendor": ("What throughput per GPU did the vendor report?", {"numbers": [412]}),
+    "oom_cause": ("What caused the out-of-memory crashes in the production run?",
+                  {"mentions": [["micro-batch 16", "micro batch 16", "checkpointing"]]}),
+    "oom_fit": ("How much GPU memory does the 1.3B config peak at with micro-batch 8?", {"numbers": [71]}),
+    "minhash": ("What Jaccard threshold did we use to dedup the math data?", {"numbers": [0.8]}),
+    "code_share": ("How much code is too much in the data mixture?", {"mentions": [["30%"]]}),
+    "val_set": ("How many tokens are in the validation set?", {"mentions": [["50m"]]}),
+    "rope_base": ("What rope theta do we need beyond 4096 context?", {"numbers": [500000]}),
+    "warmup_owner": ("Who owns the decision to standardize the warmup?", {"mentions": [["priya"]]}),
 }

@@ -16,8 +16,8 @@ import random
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from benchmarks.qa_history import LRS, MLFLOW_PROJECT, SIZES, TB_PROJECT, History
-from benchmarks.qa_notes import NOTE_FACTS
+from benchmarks.qa_history import MLFLOW_PROJECT, SIZES, TB_PROJECT, History
+from benchmarks.qa_notes import FACT_QUESTIONS, NOTE_FACTS
 
 QUANTITATIVE = {"lowest", "highest", "count", "mean", "diff", "best_config", "diverged_lrs", "named_run",
                 "followup"}
@@ -148,29 +148,24 @@ def highest(m: _Maker) -> None:
 
 
 def count(m: _Maker) -> None:
+    def ask(text: str, rows: list[dict], cite: bool = False):
+        if rows:        # "how many" with none is answered by "no runs", which reads as an abstention
+            m.add("count", text, [_ref(f) for f in rows] if cite else [], {"count": len(rows)})
+
     for size in sizes_in(m):
-        m.add("count", f"How many runs diverged at {m.size_word(size)}?",
-              expect={"count": len(m.runs(size=size, status="diverged"))})
-        m.add("count", f"How many {m.size_word(size)} runs completed?",
-              expect={"count": len(m.runs(size=size, status="completed"))})
-    m.add("count", m.pick(("How many runs ran out of memory?", "How many OOM failures did we have?")),
-          [_ref(f) for f in m.runs(failure="oom")], {"count": len(m.runs(failure="oom"))})
-    m.add("count", "How many runs hit an NCCL timeout?", [_ref(f) for f in m.runs(failure="nccl_timeout")],
-          {"count": len(m.runs(failure="nccl_timeout"))})
+        ask(f"How many runs diverged at {m.size_word(size)}?", m.runs(size=size, status="diverged"))
+        ask(f"How many {m.size_word(size)} runs completed?", m.runs(size=size, status="completed"))
+    ask(m.pick(("How many runs ran out of memory?", "How many OOM failures did we have?")),
+        m.runs(failure="oom"), cite=True)
+    ask("How many runs hit an NCCL timeout?", m.runs(failure="nccl_timeout"), cite=True)
     for project in sorted({f["project"] for f in m.facts}):
-        m.add("count", f"How many runs are in the {project} project?", expect={"count": len(m.runs(project=project))})
+        ask(f"How many runs are in the {project} project?", m.runs(project=project))
     for lr in (3e-4, 1e-3):
-        m.add("count", f"How many runs used {m.pick(LR)} {lr:g}?", expect={"count": len(m.runs(lr=lr))})
-    if m.runs(project="gpt-arch"):
-        m.add("count", "How many gpt-arch runs used rmsnorm?",
-              expect={"count": len(m.runs(project="gpt-arch", norm="rmsnorm"))})
+        ask(f"How many runs used {m.pick(LR)} {lr:g}?", m.runs(lr=lr))
+    ask("How many gpt-arch runs used rmsnorm?", m.runs(project="gpt-arch", norm="rmsnorm"))
     for mix in ("web+books", "web+code+math"):
-        if m.runs(project="data-mix", mix=mix):
-            m.add("count", f"How many data-mix runs trained on the {mix} mixture?",
-                  expect={"count": len(m.runs(project="data-mix", mix=mix))})
-    if m.runs(project=MLFLOW_PROJECT):
-        m.add("count", f"How many runs failed in {MLFLOW_PROJECT}?",
-              expect={"count": len(m.runs(project=MLFLOW_PROJECT, status="failed"))})
+        ask(f"How many data-mix runs trained on the {mix} mixture?", m.runs(project="data-mix", mix=mix))
+    ask(f"How many runs failed in {MLFLOW_PROJECT}?", m.runs(project=MLFLOW_PROJECT, status="failed"))
 
 
 def mean(m: _Maker) -> None:
@@ -294,9 +289,10 @@ def followups(m: _Maker) -> None:
         if b:
             m.add("followup", m.pick(("and at {s}?", "What about {s}?", "And for the {s} runs?")).format(s=then),
                   [_ref(b)], {"run": _names(b), "numbers": [b["lr"]]}, history=[q1])
-        m.add("followup", f"and how many of the {then} runs diverged?",
-              expect={"count": len(m.runs(size=then, status="diverged"))},
-              history=[f"How many runs diverged at {first}?"])
+        if m.runs(size=then, status="diverged"):
+            m.add("followup", f"and how many of the {then} runs diverged?",
+                  expect={"count": len(m.runs(size=then, status="diverged"))},
+                  history=[f"How many runs diverged at {first}?"])
 
 
 # ---- explanations, knowledge, notes ------------------------------------------------------------
@@ -357,28 +353,6 @@ def know(m: _Maker) -> None:
                 refs.append(g)
         if refs:
             m.add("know", text, refs)
-
-
-FACT_QUESTIONS = {
-    "logits": ("How large did the attention logits get before the sweep runs diverged?", {"numbers": [4000]}),
-    "zloss": ("What z-loss coefficient did we add after the sweep divergences?", {"numbers": [1e-4]}),
-    "ib_cause": ("What was the root cause of the NCCL timeouts in the production run?",
-                 {"mentions": [["infiniband", "ib-leaf-14"]]}),
-    "ib_timeout": ("What did we raise NCCL_IB_TIMEOUT to?", {"numbers": [22]}),
-    "rms_speed": ("How much did RMSNorm speed up a training step?", {"mentions": [["7%", "7 %", "7 percent"]]}),
-    "ln_f": ("Where do we still use LayerNorm after the switch to RMSNorm?", {"mentions": [["ln_f", "final norm"]]}),
-    "vocab": ("Why is our vocab size 50,304?", {"mentions": [["multiple of 64"]]}),
-    "tok_data": ("How much data was the tokenizer trained on?", {"mentions": [["40 gb", "40gb"]]}),
-    "vendor": ("What throughput per GPU did the vendor report?", {"numbers": [412]}),
-    "oom_cause": ("What caused the out-of-memory crashes in the production run?",
-                  {"mentions": [["micro-batch 16", "micro batch 16", "checkpointing"]]}),
-    "oom_fit": ("How much GPU memory does the 1.3B config peak at with micro-batch 8?", {"numbers": [71]}),
-    "minhash": ("What Jaccard threshold did we use to dedup the math data?", {"numbers": [0.8]}),
-    "code_share": ("How much code is too much in the data mixture?", {"mentions": [["30%"]]}),
-    "val_set": ("How many tokens are in the validation set?", {"mentions": [["50m"]]}),
-    "rope_base": ("What rope theta do we need beyond 4096 context?", {"numbers": [500000]}),
-    "warmup_owner": ("Who owns the decision to standardize the warmup?", {"mentions": [["priya"]]}),
-}
 
 
 def note_facts(m: _Maker) -> None:

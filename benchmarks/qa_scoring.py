@@ -129,20 +129,32 @@ def faithfulness(text: str, evidence: list[float]) -> tuple[int, int]:
     return len(written), sum(any(matches(w, v) for v in evidence) for w in written)
 
 
+_PAIR = re.compile(r"^\s*[\w./-]+\s*[=:]\s*(.+?)\s*$")
+_WORD = re.compile(r"[a-z][a-z0-9_/.+-]+")
+
+
 def citation_valid(engine, kind: str, ref: str, quote: str, texts: dict[str, str]) -> bool:
-    """The record exists, and its quote (when it gives one) is the record's own words or numbers."""
+    """The record exists, and its quote (when it gives one) is the record's own: a passage of its
+    text, or `field=value` pairs whose values the record holds, or words and numbers it holds."""
     text = texts.get(f"{kind}:{ref}")
     if text is None:
         return False
-    if not quote.strip():
+    if not quote.strip() or _norm(quote) in _norm(text):
         return True
-    if _norm(quote) in _norm(text):
-        return True
-    have = values_of(text) + [v for vs in record_values(engine, [f"{kind}:{ref}"]).values() for v in values_of(vs)]
-    numbers_ok = all(any(matches(w, v) for v in have) for w in numbers_in(quote))
-    words = set(re.findall(r"[a-z][a-z0-9_/.-]+", quote.lower()))
-    shared = words & set(re.findall(r"[a-z][a-z0-9_/.-]+", text.lower()))
-    return numbers_ok and len(shared) >= 0.6 * max(1, len(words))
+    stored = record_values(engine, [f"{kind}:{ref}"]).get(f"{kind}:{ref}")
+    have = values_of(text) + values_of(stored)
+    words_have = set(_WORD.findall(f"{text} {stored}".lower()))
+
+    def holds(part: str) -> bool:
+        numbers = numbers_in(part)
+        words = set(_WORD.findall(re.sub(r"\d[\d.eE+-]*", " ", part.lower())))
+        return all(any(matches(w, v) for v in have) for w in numbers) and \
+            len(words & words_have) >= 0.6 * len(words)
+
+    pairs = [_PAIR.match(p) for p in quote.split(",")]
+    if all(pairs):          # the planner's quotes: `summary.val/loss=3.0534, status=diverged`
+        return all(holds(m.group(1)) for m in pairs)
+    return holds(quote)
 
 
 def _close(w: Written, value: float) -> bool:
