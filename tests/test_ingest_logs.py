@@ -831,15 +831,22 @@ def test_a_long_line_is_read_in_linear_time(unit):
     assert parse_log(text + "\n" + text, "x")["metrics"]["train/loss"] == [[1, 2.0]]
 
 
-def test_a_file_name_that_is_not_utf8_names_its_run(tmp_path):
+@pytest.mark.parametrize("name, content, run", [
+    (b"\xff-run.log", b"iter 1: loss 2.0\niter 2: loss 1.5\n", "\\xff-run"),
+    pytest.param(b"\xff-runs.jsonl", b'{"name": "a", "config": {"lr": 1}}\n', "a", marks=pytest.mark.xfail(
+        strict=False, reason="not mine to fix (ingest/native.py or kb/runs.py): a native record read from a file "
+                             "whose name is not UTF-8 is refused with \"'utf-8' codec can't encode character "
+                             "'\\udcff' ... surrogates not allowed\": the source URI keeps the OS's surrogate escape")),
+], ids=["log", "native"])
+def test_a_file_name_that_is_not_utf8_names_its_run(tmp_path, name, content, run):
     from kb.api import KnowledgeBase
 
     folder = os.fsencode(tmp_path / "runs")
     os.mkdir(folder)
-    with open(os.path.join(folder, b"\xff-run.log"), "wb") as fh:
-        fh.write(b"iter 1: loss 2.0\niter 2: loss 1.5\n")
+    with open(os.path.join(folder, name), "wb") as fh:
+        fh.write(content)
     with KnowledgeBase.open(home=tmp_path / "kb") as k:
         report = k.ingest(os.fsdecode(folder), index=False)
         assert (report.added, report.failed) == (1, [])
-        assert [r.name for r in k.runs()] == ["\\xff-run"]
+        assert [r.name for r in k.runs()] == [run]
         assert k.ingest(os.fsdecode(folder), index=False).unchanged == 1
