@@ -63,7 +63,8 @@ def prepare(kb, plan: str, home: Path) -> list[Question]:
 def score(kb, q: Question, gold: set[str], ranked: list[str] | None, text: str, cites: list[tuple[str, str, str]],
           rows=None, sql: str | None = None, texts: dict[str, str] | None = None) -> Scored:
     from agents.corpus import chunks_by_key
-    s = Scored(q.id, q.shape, q.answerable, text=text)
+    s = Scored(q.id, q.shape, q.answerable, text=text,
+               raw={"ranked": ranked, "cites": cites, "rows": rows, "sql": sql, "texts": texts})
     if ranked is not None and gold and not q.history:
         s.recall5, s.rr = retrieval(ranked, gold)
     keys = [f"{k}:{i}" for k, i, _ in cites]
@@ -128,6 +129,19 @@ def eval_baseline(kb, questions: list[Question], golds: dict[str, set[str]], llm
         out.append(s)
         if progress:
             progress("baseline", i + 1, len(questions), s)
+    return out
+
+
+def rescore(kb, questions: list[Question], golds: dict[str, set[str]], saved: list[dict]) -> list[Scored]:
+    """Score saved answers again (after a change to the scoring), keeping their timings."""
+    by_id = {q.id: q for q in questions}
+    out = []
+    for old in saved:
+        q, raw = by_id[old["qid"]], old["raw"]
+        s = score(kb, q, golds[q.id], raw["ranked"], old["text"], [tuple(c) for c in raw["cites"]], raw["rows"],
+                  raw["sql"], raw["texts"])
+        s.retrieve_ms, s.answer_ms = old["retrieve_ms"], old["answer_ms"]
+        out.append(s)
     return out
 
 
@@ -242,6 +256,7 @@ def main() -> None:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--cli-samples", type=int, default=5, help="`kb ask` subprocess runs timed (0: skip)")
     ap.add_argument("--details", type=Path, help="write every question's scores and answers here (JSON)")
+    ap.add_argument("--rescore", type=Path, help="score the answers saved by --details again, asking nothing")
     ap.add_argument("--json", action="store_true", help="one JSON object as the last stdout line")
     args = ap.parse_args()
 
@@ -266,16 +281,22 @@ def main() -> None:
         if i % 20 == 0 or i == n:
             print(f"  {who}: {i}/{n}", flush=True)
 
-    agent_scores = eval_agent(kb, questions, golds, progress)
-    base_scores = None
-    if not args.no_baseline:
-        from agents.llm import get_llm
-        base_scores = eval_baseline(kb, questions, golds, get_llm(kb.settings), progress)
+    if args.rescore:
+        saved = json.loads(args.rescore.read_text())
+        questions = [q for q in questions if q.id in {s["qid"] for s in saved["agent"]}]
+        agent_scores = rescore(kb, questions, golds, saved["agent"])
+        base_scores = rescore(kb, questions, golds, saved["baseline"]) if saved["baseline"] else None
+    else:
+        agent_scores = eval_agent(kb, questions, golds, progress)
+        base_scores = None
+        if not args.no_baseline:
+            from agents.llm import get_llm
+            base_scores = eval_baseline(kb, questions, golds, get_llm(kb.settings), progress)
     after = kb.count()
     kb.close()
     extra = {"store unchanged by the questions (injection note)": str(before == after),
              "load average (other work shares the cores)": f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"}
-    if args.cli_samples:
+    if args.cli_samples and not args.rescore:
         p50 = cli_p50(home, questions, args.cli_samples)
         extra[f"`kb ask` CLI p50 over {args.cli_samples} (s, process start incl.)"] = _f(p50)
     agent, base = summarize(agent_scores), summarize(base_scores) if base_scores else None

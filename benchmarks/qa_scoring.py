@@ -47,6 +47,7 @@ class Scored:
     answer_ms: float | None = None
     problems: list[str] = field(default_factory=list)
     text: str = ""
+    raw: dict = field(default_factory=dict)     # ranked keys, citations, SQL and rows: to score again
 
 
 # ---- gold records ------------------------------------------------------------------------------
