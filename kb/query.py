@@ -377,6 +377,8 @@ class _Parser:
                 _as_time(value)
             except ValueError:
                 raise _fail(self.text, tok.pos, f"{key[0]} takes an ISO-8601 time like '2024-05-01T12:00'") from None
+            except OverflowError:     # in UTC before year 1 or after 9999, which no stored time is
+                raise _fail(self.text, tok.pos, f"{key[0]} takes a time within years 1-9999 in UTC") from None
         return value
 
     def literals(self, key: Path) -> tuple[Literal, ...]:

@@ -36,7 +36,8 @@ def record(i: int) -> dict:
             "config": {**{f"k{j}": i + j for j in range(KEYS)}, "group": i % 3, "word": f"w{i % 4}",
                        'q"uote': i, "it's": "a'b", "a.b": {"c": i}, "": i, "ключ": "значение",
                        "tiny": 5e-324 if i == 0 else 1.0, "big": 2**53 + 1 if i == 1 else 0},
-            "summary": {"m": i / 10}}
+            "summary": {"m": i / 10},
+            "started_at": {0: "0001-01-01T00:00:00+00:00", 1: "9999-12-31T23:59:59+00:00"}.get(i, "2024-05-01T00:00:00")}
 
 
 @pytest.fixture
@@ -155,6 +156,12 @@ def test_more_sort_keys_are_refused(n):
     ("config.k0 > -" + "9" * 300, set(range(N))),
     ("config.k0 > 1e308 or config.k0 < -1.7976931348623157e308", set()),
     ("config.k0 = 1e-400", {"r00"}),                         # underflows to 0
+    ("started_at < '0002-01-01'", {0}),                      # times at the calendar's edges
+    ("started_at >= '9999-12-31T23:59:59'", {1}),
+    ("started_at = '9999-12-31T18:59:59-05:00'", {1}),
+    ("started_at = '0001-01-01T00:30:00+00:30'", {0}),
+    ("started_at > '9999-12-31T23:59:59-05:00'", "within years 1-9999 in UTC"),
+    ("started_at in ('2024-05-01', '0001-01-01T00:00:00+01:00')", "within years 1-9999 in UTC"),
     ("CONFIG.k0 = 1", "unknown key 'CONFIG'"),
     ("config.k0 = 1e999", "number out of range"),
     ("config.k0 = " + "9" * 400, "number out of range"),
