@@ -71,7 +71,7 @@ def refresh_all(engine: Engine) -> int:
 
 def refresh(conn: Connection, limit: int | None = None) -> int:
     """Bring ablations up to date with the runs queued so far, the first `limit` entries of the
-    queue when given; returns the entries taken. In the caller's transaction, which it commits."""
+    queue when given; returns the entries taken. In the caller's transaction, for it to commit."""
     if conn.execute(select(_QUEUE.c.id).limit(1)).first() is None:
         return 0                    # nothing queued: no lock taken (another writer may hold it)
     _lock(conn)
