@@ -142,7 +142,13 @@ def _balanced(join, clauses: list) -> ColumnElement[bool]:
 
 def compile_where(expr: str | Node) -> ColumnElement[bool]:
     """A boolean clause over Run for `select(Run).where(...)`; it never yields SQL NULL."""
-    return _sql(parse(expr) if isinstance(expr, str) else expr)
+    items = _conjuncts(parse(expr) if isinstance(expr, str) else expr)
+    clauses = [_sql(n) for n in items]
+    # the top-level subqueries past the first few stay standalone (as in `apply_query`)
+    subqueries = [i for i, n in enumerate(items) if isinstance(n, (Compare, In, Exists)) and n.key[0] not in COLUMNS]
+    for i in subqueries[MAX_JOINED_KEYS:]:
+        clauses[i] = standalone(clauses[i])
+    return _balanced(and_, clauses)
 
 
 def _sql(node: Node) -> ColumnElement[bool]:
