@@ -25,7 +25,7 @@ from sqlalchemy import select
 from kb.errors import QueryError
 from kb.models import Run
 from kb.query import MAX_CHARS, MAX_DEPTH, MAX_SORT_KEYS, MAX_TERMS
-from kb.query_sql import apply_query, compile_sort, top_ids
+from kb.query_sql import apply_query, compile_sort, compile_where, top_ids
 
 KB = shutil.which("kb") or str(Path(sys.executable).parent / "kb")
 N, KEYS = 24, 70          # runs r00..r23; config.k<j> = i + j, so `config.k<j> >= j + 5` means i >= 5
@@ -99,6 +99,19 @@ def test_and_of_many_exists_and_keys_no_run_has(runs):
     assert len(ids(runs, " and ".join(f"config.k{j} exists" for j in range(KEYS)))) == N
     assert ids(runs, " and ".join(f"config.nope{j} exists" for j in range(300))) == []
     assert len(ids(runs, " and ".join(f"not config.nope{j} exists" for j in range(300)))) == N
+
+
+def test_compile_where_takes_big_queries_too(runs):
+    """`kb search --where` filters through compile_where, without the joined plan."""
+    def where(q):
+        with runs.engine.connect() as conn:
+            return set(conn.execute(select(Run.id).where(compile_where(q))).scalars())
+    assert where(" and ".join(f"config.k{j} exists" for j in range(KEYS)) + " and config.k3 > 10") == \
+        everyone(lambda i: i > 7)
+    assert where(" and ".join(f"config.k{j} >= {j + 5}" for j in range(64))) == everyone(lambda i: i >= 5)
+    assert where(f"id in ({', '.join(repr(f'r{i:02d}') for i in range(999))})") == everyone(lambda i: True)
+    assert where(" or ".join(f"config.k{j % KEYS} = {j % KEYS + j // KEYS}" for j in range(1000))) == \
+        everyone(lambda i: i <= 14)
 
 
 def test_or_of_1000_terms(runs):
