@@ -153,9 +153,9 @@ UNENCODABLE = re.compile(r"[\x00\ud800-\udfff]")
 
 
 def _check_text(text: str) -> None:
-    """What no stored key or value can hold, and no database takes as a parameter: NUL (Postgres
-    text refuses it) and lone surrogates (no UTF-8 spelling; how Python passes on an argument's
-    invalid UTF-8 bytes)."""
+    """Refuse a query past MAX_CHARS, and what no stored key or value holds and no database takes
+    as a parameter: NUL (Postgres text refuses it) and lone surrogates (no UTF-8 spelling; how
+    Python passes on an argument's invalid UTF-8 bytes)."""
     if len(text) > MAX_CHARS:
         raise QueryError(f"the query is {len(text):,} characters long; at most {MAX_CHARS:,} are allowed")
     if m := UNENCODABLE.search(text):
