@@ -318,8 +318,8 @@ def parse_log(text: str, name: str) -> dict:
     rec["config"] = {**rec["config"], **printed}
     if code:
         rec["code"] = code
-    totals = [int(m.group(3)) for i, _, _ in events[:5] if (m := STEP.search(bodies[i])) and m.group(3)]
-    if totals:
+    totals = [step_number(m.group(3)) for i, _, _ in events[:5] if (m := STEP.search(bodies[i])) and m.group(3)]
+    if totals and totals[-1] is not None:
         rec["meta"]["total_steps"] = totals[-1]
     failure = classify(bodies, ranks, events)
     if failure:
@@ -437,6 +437,8 @@ def storable(data: dict) -> RunRecord:
             except InvalidRecord as exc:
                 unread.append({"field": exc.field, "error": exc.error})
         data[part] = kept
+    if unread and not data["config"] and not data["metrics"]:
+        raise InvalidRecord(f"nothing it printed can be stored: {unread[0]['error']}", field=unread[0]["field"])
     if unread:
         data["meta"]["unread"] = unread[:UNREAD_SHOWN]
         if len(unread) > UNREAD_SHOWN:
