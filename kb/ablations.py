@@ -235,6 +235,7 @@ def name_of(factor: str) -> str:
 
 
 def covered_by(ablation: dict) -> tuple:
+    """(name, member ids) of a config ablation: a tag of that name on exactly those runs adds nothing."""
     return (ablation["factor"].rsplit(".", 1)[-1], tuple(sorted(x for v in ablation["variants"] for x in v["runs"])))
 
 
