@@ -41,18 +41,23 @@ SETTINGS_CLASS = re.compile(r"^(?:Hyper[Pp]aram\w*|H[Pp]arams|\w*(?:Config|Args|
 MIN_LINES = 3                # fewer non-blank lines is not worth calling a script
 LINE_PARSE_CHARS = 2000      # a longer line is never tried as a statement on its own
 STATEMENT_LINES = 5000       # a literal table in a script (a dict of 1,000 entries) is one statement
+# Lines the search may look at, in all, per line of the log. Without a bound, a log of openers each
+# followed by an unclosed bracket costs STATEMENT_LINES per line (40,000 lines: 6 minutes); a real
+# script is looked at about once per line.
+SCAN_PER_LINE = 20
 
 
 def find_code(lines: list[str]) -> list[tuple[int, int]]:
     """Line ranges [start, end) of printed Python source, in order."""
     blocks: list[tuple[int, int]] = []
+    budget = [SCAN_PER_LINE * len(lines) + STATEMENT_LINES]     # lines left to look at
     i = 0
-    while i < len(lines):
+    while i < len(lines) and budget[0] > 0:
         if not (OPENER.match(lines[i]) or (HEAD.match(lines[i]) and _first_after_rule(lines, i))):
             i += 1
             continue
         start = _reach_back(lines, i, blocks[-1][1] if blocks else 0)
-        end = _extend(lines, i)
+        end = _extend(lines, i, budget)
         if _is_code(lines[start:end]):
             blocks.append((start, end))
         i = max(end, i + 1)
@@ -90,14 +95,16 @@ def _reach_back(lines: list[str], i: int, floor: int) -> int:
     return j
 
 
-def _extend(lines: list[str], i: int) -> int:
-    """One past the last line of the block that starts at line i."""
+def _extend(lines: list[str], i: int, budget: list[int]) -> int:
+    """One past the last line of the block that starts at line i; what it looks at is taken from
+    `budget`."""
     depth, quote, joined = 0, "", False
     end = j = i
     while j < len(lines):
         line = lines[j]
+        budget[0] -= 1
         if not (depth or quote or joined or _code_line(line)):
-            stop = _statement(lines, j)         # `print0(` alone does not parse; with its lines it does
+            stop = _statement(lines, j, budget)     # `print0(` alone does not parse; with its lines it does
             if stop is None:
                 break
             end = j = stop
@@ -110,15 +117,16 @@ def _extend(lines: list[str], i: int) -> int:
     return end
 
 
-def _statement(lines: list[str], j: int) -> int | None:
+def _statement(lines: list[str], j: int, budget: list[int]) -> int | None:
     """One past a statement that starts at line j and spans lines (open brackets), if it parses."""
     depth, quote = _carry(lines[j], 0, "")
     joined = lines[j].rstrip().endswith("\\")
     k = j + 1
-    while (depth or quote or joined) and k < min(len(lines), j + STATEMENT_LINES):
+    while (depth or quote or joined) and k < min(len(lines), j + STATEMENT_LINES, j + budget[0]):
         depth, quote = _carry(lines[k], depth, quote)
         joined = not quote and lines[k].rstrip().endswith("\\")
         k += 1
+    budget[0] -= k - j
     if k == j + 1 or depth or quote:
         return None
     text = "\n".join(lines[j:k])
