@@ -74,7 +74,7 @@ deep = st.sampled_from([
     "\n".join(" " * i + f"k{i}:" for i in range(200)) + "\n" + " " * 200 + "v: 1",   # YAML, 200 levels
     "[" * 5000 + "]" * 5000,
     "Namespace(a=" + "[" * 180 + "]" * 180 + ")",
-    "import os\nx = (\n" * 3000])                                        # the code search looked 5,000 lines ahead
+    "import os\nx = (\n" * 3000, "{\n" * 5000])          # the code and dump readers looked thousands of lines ahead
 # each of these was quadratic in its length somewhere in the reader (at 20,000 characters: 96 s)
 long_line = st.sampled_from(["x" * 100_000, "step 1: loss 2.0 " + "a1" * 50_000, "9" * 100_000,
                              "A(a=" * 25_000, "def f(" * 15_000, "Namespace(" * 10_000 + "a=1)", "k=v " * 20_000])

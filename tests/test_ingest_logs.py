@@ -831,10 +831,12 @@ def test_a_long_line_is_read_in_linear_time(unit):
     assert parse_log(text + "\n" + text, "x")["metrics"]["train/loss"] == [[1, 2.0]]
 
 
-def test_a_log_of_openers_and_unclosed_brackets_is_read_in_linear_time():
-    # each `x = (` made the code search look 5,000 lines ahead: 40,000 such lines took 6 minutes
-    rec = parse_log("import os\nx = (\n" * 10_000 + "step 1: loss 2.0\n", "x")
-    assert rec["metrics"] == {"train/loss": [[1, 2.0]]} and "code" not in rec
+@pytest.mark.parametrize("head", ["import os\nx = (\n" * 10_000, "{\n" * 40_000])
+def test_a_log_of_openers_and_unclosed_brackets_is_read_in_linear_time(head):
+    # each `x = (` made the code search look 5,000 lines ahead (40,000 lines: 6 minutes), and each
+    # `{` the dump reader 2,000 lines ahead (40,000 lines: 21 s)
+    rec = parse_log(head + "step 1: loss 2.0\n", "x")
+    assert rec["metrics"] == {"train/loss": [[1, 2.0]]} and "code" not in rec and rec["config"] == {}
 
 
 @pytest.mark.parametrize("name, content, run", [
