@@ -10,7 +10,7 @@ from pydantic_core import from_json
 
 from ingest.base import TOO_DEEP, read_json_file, register, rejected
 from kb.errors import InvalidRecord
-from kb.records import Item, Parsed, parse_run
+from kb.records import Item, Parsed, RunRecord, parse_run
 
 
 @register("native")
@@ -20,7 +20,7 @@ class NativeIngester:
         if path.is_file() and path.suffix in (".jsonl", ".ndjson"):
             return 90
         if path.is_file() and path.suffix == ".json":
-            return 60 if _looks_native(path) else 0
+            return _json_score(path)
         return 0
 
     def read(self, target: str) -> Iterator[Item]:
@@ -79,10 +79,33 @@ def _validated(path: Path, lineno: int | None, data, prefix: str = "") -> Item:
     return Parsed(record, "native", str(path.resolve()), lineno)
 
 
-def _looks_native(path: Path) -> bool:
-    """A .json file is native if its top level has the record's keys (HF's config.json has not)."""
+RECORD_KEYS = frozenset(RunRecord.model_fields)
+SNIFF_BYTES = 64 * 2**20        # past this, a .json is not parsed twice to be recognised
+
+
+def _json_score(path: Path) -> int:
+    """How sure it is that a .json file holds native records. 0 unless its head has a record's
+    keys (HF's config.json has none; a trainer state has log_history). 85, past a W&B export's
+    80, when every object in it (the one, or each in its list) has a record's keys only, config
+    or metrics among them: a record that holds a key named "state" or "history" is still a
+    record. Else 60."""
     try:
-        head = path.read_text(errors="replace")[:4096]
+        if path.stat().st_size > SNIFF_BYTES:
+            return 60 if _looks_native(path.open("rb").read(4096)) else 0
+        raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     except OSError:
-        return False
-    return any(f'"{k}"' in head for k in ("metrics", "config", "summary")) and '"log_history"' not in head
+        return 0
+    if not _looks_native(raw[:4096]):
+        return 0
+    try:
+        data = from_json(raw)
+    except ValueError:
+        return 60
+    items = data if isinstance(data, list) else [data]
+    certain = items and all(isinstance(i, dict) and i.keys() <= RECORD_KEYS and ("config" in i or "metrics" in i)
+                            for i in items)
+    return 85 if certain else 60
+
+
+def _looks_native(head: bytes) -> bool:
+    return any(f'"{k}"'.encode() in head for k in ("metrics", "config", "summary")) and b'"log_history"' not in head

@@ -20,7 +20,8 @@ from kb.ablation_store import ABLATION_FIELDS, queue_run
 from kb.cards import run_card
 from kb.fields import FIELD_COLUMNS, field_tuples
 from kb.indexer import queue_index
-from kb.models import NULL_VALUE, NULL_WALL, Ablation, Anomaly, Failure, MetricPoint, Run, RunField, RunPublic, utcnow
+from kb.models import (NULL_VALUE, NULL_WALL, Ablation, Anomaly, Failure, MetricPoint, Run, RunField, RunPublic,
+                       utcnow)
 from kb.records import INT64, RunRecord, content_hash, json_safe
 
 Outcome = Literal["added", "updated", "unchanged"]

@@ -260,7 +260,8 @@ def test_kb_show_json_spells_non_finite_values_and_keeps_null(tmp_path, database
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["metrics"]["acc"] == AS_JSON
     brief = subprocess.run([KB, "show", "c", "--json"], env=env, capture_output=True, text=True, timeout=300)
-    assert json.loads(brief.stdout)["metrics"]["acc"] == {"points": 10, "first": [0, None], "last": [9, "-Infinity", 3.0]}
+    assert json.loads(brief.stdout)["metrics"]["acc"] == {"points": 10, "first": [0, None],
+                                                          "last": [9, "-Infinity", 3.0]}
 
 
 # ---- 14: messages ---------------------------------------------------------------------------------
@@ -282,6 +283,17 @@ def test_a_utf8_byte_order_mark_is_skipped(kb, tmp_path):
     report = kb.ingest(str(tmp_path / "bom.jsonl"), str(tmp_path / "bom.json"), index=False)
     assert (report.added, report.failed) == (2, [])
     assert kb.run("jsonl").config == kb.run("json").config == GOOD["config"]
+
+
+def test_a_record_holding_keys_named_state_and_history_is_read_as_a_record(kb, tmp_path):
+    """Found by the fuzz tests: such a .json was taken for a W&B export, and its curves were lost."""
+    record = {"id": "h", "config": {"optimizer": {"state": "adam"}, "history": 3}, "summary": {"acc": 0.5},
+              "metrics": {"loss": [[0, 1.0], [1, 0.5]]}}
+    (tmp_path / "one.json").write_text(json.dumps(record))
+    (tmp_path / "many.json").write_text(json.dumps([dict(record, id="h2")]))
+    report = kb.ingest(str(tmp_path / "one.json"), str(tmp_path / "many.json"), index=False)
+    assert (report.added, report.failed) == (2, [])
+    assert kb.run("h").metrics == kb.run("h2").metrics == record["metrics"]
 
 
 # ---- found here, owned elsewhere ------------------------------------------------------------------
