@@ -33,5 +33,4 @@ def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute("DROP INDEX ix_runfield_text_hash")
         op.execute('CREATE INDEX ix_runfield_key_text ON runfield ("key", vtype, text) WHERE text IS NOT NULL')
-    with op.batch_alter_table("metricpoint") as batch:
-        batch.drop_column("nulls")
+    op.drop_column("metricpoint", "nulls")        # SQLite drops a column in place since 3.35
