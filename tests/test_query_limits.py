@@ -131,6 +131,7 @@ def test_2000_terms_work_and_one_more_is_refused(runs):
         runs.runs(where=f"id in ({', '.join(['1'] * (MAX_TERMS + 1))})")
 
 
+@pytest.mark.slow
 def test_sort_by_16_keys(cli):
     """In a subprocess: a sort SQLite cannot take would crash it (finding 7), not fail."""
     spec = "config.group, -config.k0, " + ", ".join(f"config.k{j} desc" for j in range(1, MAX_SORT_KEYS - 1))
@@ -213,6 +214,7 @@ def test_long_strings_and_errors_in_long_queries(runs):
 
 # ---- through the command line: exit codes, one line, never a crash ----------------------------
 
+@pytest.mark.slow
 def test_cli_big_queries_and_the_sort_that_crashed_sqlite(cli):
     """A subprocess each, so a segfault (SQLite on a join ordered by 64+ terms) fails the test."""
     ok = [
@@ -241,6 +243,7 @@ def test_cli_big_queries_and_the_sort_that_crashed_sqlite(cli):
         assert first.startswith("error: ") and words in first and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_bad_query_before_opening_the_store(tmp_path):
     env = dict(os.environ, KB_HOME=str(tmp_path / "home"))
     env.pop("KB_DATABASE_URL", None)
