@@ -98,7 +98,8 @@ class Retriever:
             where["kind"] = "run"
             where["ref_id"] = allowed_runs
         vector = self.kb.embedder.encode([question])[0]
-        return [h.id for h in self.kb.index.search(vector, limit=depth, where=where or None)]
+        # search_index: a private copy when another process holds the index or the home is read-only
+        return [h.id for h in self.kb.search_index.search(vector, limit=depth, where=where or None)]
 
     def _matching_runs(self, where: str) -> list[str]:
         from kb.query_sql import compile_where
