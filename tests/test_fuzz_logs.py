@@ -47,7 +47,7 @@ sep = st.sampled_from([": ", "=", " ", " | ", ", ", ":", "\t"])
 step_head = st.sampled_from(["step {}:", "iter {}:", "step:{}/10", "iteration {}/ 100 |", "s:{}", "global_step={}",
                              "step 1/{}", "step {}/{}", "[{}]", "step {} |", "step={}"])
 metric_like = st.builds(
-    lambda head, steps, pairs: head.format(*steps[:head.count("{}")]) + " " + " | ".join(f"{k}{s}{v}" for k, s, v in pairs),
+    lambda head, steps, pairs: f"{head.format(*steps[:head.count('{}')])} " + " | ".join(map("".join, pairs)),
     step_head, st.lists(number_text, min_size=2, max_size=2), st.lists(st.tuples(word, sep, number_text), max_size=5))
 code_like = st.sampled_from([
     "import os", "from a import b", "def f(x):", "    return x", "class Config:", "@dataclass",

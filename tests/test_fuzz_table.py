@@ -141,8 +141,8 @@ def tables(draw):
                 cell, params = draw(scale_cells())
                 row.append(Cell(cell.text, (params, cell.value), cell.ok))
             elif c == "tags":
-                tags = draw(st.lists(plain_text(delimiter).map(str.strip).filter(lambda t: t and not set(t) & set(",;")),
-                                     max_size=3))
+                tag = plain_text(delimiter).map(str.strip).filter(lambda t: t and not set(t) & set(",;"))
+                tags = draw(st.lists(tag, max_size=3))
                 row.append(Cell(", ".join(tags), tags or None))
             elif c == "status":
                 word = draw(st.sampled_from([*STATUSES, "exploded"]))
@@ -252,8 +252,8 @@ def check(kb, table: Table, path, header: int, starts: list[int], report, projec
             continue
         assert line not in failed, (failed[line], row)
         run = runs[name]
-        got = {"config": run.config, "summary": run.summary, "scale": {k: v for k, v in run.scale.items() if v is not None},
-               "tags": run.tags, "status": run.status}
+        scale = {k: v for k, v in run.scale.items() if v is not None}
+        got = {"config": run.config, "summary": run.summary, "scale": scale, "tags": run.tags, "status": run.status}
         assert same(got, want), (got, want)
     assert not failed, failed
     assert report.added == len(runs)
