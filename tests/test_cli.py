@@ -81,7 +81,7 @@ def test_show_json_and_bad_query(env, tmp_path):
     kb_cli(env, "ingest", str(path), "--no-index")
     shown = json.loads(kb_cli(env, "show", "x", "--json", "--points").stdout)
     assert shown["status"] == "diverged" and shown["failures"][0]["kind"] == "diverged"
-    assert shown["metrics"]["train/loss"] == [[0, 9.0], [10, None]]       # NaN prints as null
+    assert shown["metrics"]["train/loss"] == [[0, 9.0], [10, "NaN"]]      # NaN kept apart from null
     bad = kb_cli(env, "runs", "--where", "config.optim.lr >", check=False)
     assert bad.returncode == 2 and "expected" in bad.stderr
     unknown = kb_cli(env, "ingest", str(tmp_path / "missing.bin"), check=False)
