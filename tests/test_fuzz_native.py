@@ -280,7 +280,8 @@ def test_jsonl_framing_keeps_every_good_line(kb, tmp_path, data, newline, bom, f
 def test_a_json_list_file_keeps_every_good_record(kb, tmp_path, data):
     # no keys a record lacks: a list holding such an object may be another tracker's export
     # (a W&B export's "history"), which that tracker's reader claims
-    records = unique_ids(data.draw(st.lists(hostile_record(unknown_keys=False) | valid_record, min_size=1, max_size=4)))
+    drawn = st.lists(hostile_record(unknown_keys=False) | valid_record, min_size=1, max_size=4)
+    records = unique_ids(data.draw(drawn))
     path = tmp_path / f"{uuid.uuid4().hex}.json"
     path.write_bytes(b"[" + b",\n".join(to_line(r) for r in records) + b"]")
     report = kb.ingest(str(path), index=False)
