@@ -94,7 +94,8 @@ class Config:
 
     def mean(self, metric: str) -> float | None:
         v = self.values(metric)
-        return statistics.fmean(v) if v else None
+        # each term scaled first: fmean's sum overflows for losses near the float limit
+        return math.fsum(x / len(v) for x in v) if v else None
 
 
 def group_runs(project: str, runs: list, known: dict[str, Parts] | None = None) -> list[Config]:

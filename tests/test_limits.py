@@ -296,10 +296,8 @@ def test_a_record_holding_keys_named_state_and_history_is_read_as_a_record(kb, t
     assert kb.run("h").metrics == kb.run("h2").metrics == record["metrics"]
 
 
-# ---- found here, owned elsewhere ------------------------------------------------------------------
+# ---- found by the fuzz tests in the ablation refresh ---------------------------------------------
 
-@pytest.mark.xfail(strict=False, reason="kb/ablations.py: statistics.fmean overflows on effects near 1e308 "
-                                        "(OverflowError after the runs committed); not this file's to fix")
 def test_an_ablation_over_huge_losses_does_not_end_the_ingest(kb, tmp_path):
     path = tmp_path / "huge.jsonl"
     path.write_text("".join(json.dumps({"id": f"s{seed}-lr{lr}", "config": {"lr": lr, "seed": seed},
