@@ -21,6 +21,7 @@ N_QUESTIONS = 40
 # issue's targets (0.95, 1.0, 0.95): the test fails when quality drops, and the floors move up as
 # the agent reaches the targets. The README and the issue note say the targets are not met yet.
 MIN_RECALL5 = 0.4
+MIN_RECALL5_RETRIEVED = 0.65      # on the shapes answered from retrieval: measured 0.700 on both stores
 MIN_CITATION_VALIDITY = 0.88
 MIN_QUANTITATIVE = 0.7
 MIN_ABSTENTION = 0.85
@@ -80,19 +81,26 @@ def scored(request, tmp_path_factory):
             golds = {q.id: resolve(k.engine, q.gold) for q in questions}
             before = k.count()
             scores = eval_agent(k, questions, golds)
-            yield {"summary": summarize(scores), "scores": scores, "unchanged": before == k.count()}
+            summary = summarize(scores)
+            print({key: v for key, v in summary.items() if key != "shapes"})      # shown when a test fails
+            yield {"summary": summary, "scores": scores, "unchanged": before == k.count()}
         finally:
             k.close()
 
 
-def _failing(scores, keep) -> list[str]:
-    return [f"{s.qid}: {'; '.join(s.problems) or s.text[:120]}" for s in scores if keep(s)][:10]
+def _failing(scores, keep) -> str:
+    """The questions behind a failed threshold, one line each, for the assertion message."""
+    return "\n".join(f"{s.qid}: {'; '.join(s.problems) or s.text[:160]}" for s in scores if keep(s))
 
 
 def test_retrieval_finds_the_gold_records(scored):
+    """Overall, and on the questions answered from what was retrieved (explanations, notes, named
+    runs): superlatives and counts are answered from SQL, whatever retrieval ranks first."""
     s = scored["summary"]
     assert s["retrieval_scored"] >= 20
     assert s["recall5"] >= MIN_RECALL5, _failing(scored["scores"], lambda x: x.recall5 is not None and x.recall5 < 1)
+    assert s["recall5_other"] >= MIN_RECALL5_RETRIEVED, _failing(
+        scored["scores"], lambda x: x.shape not in QUANTITATIVE and x.recall5 is not None and x.recall5 < 1)
 
 
 def test_every_citation_names_a_record_that_supports_it(scored):
