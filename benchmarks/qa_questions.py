@@ -121,7 +121,7 @@ def lowest(m: _Maker) -> None:
                       f"{m.pick(VAL)}?", [_ref(b)], {"run": _names(b), "numbers": [b["val"]]})
         b = best(m.runs(size=size, project="gpt-sweep", warmup=500))
         if b:
-            m.add("lowest", f"Lowest {m.pick(VAL)} for {m.size_word(size)} sweep runs with a 500-step warmup?",
+            m.add("lowest", f"Lowest {m.pick(VAL)} for {m.size_word(size)} runs in gpt-sweep with a 500-step warmup?",
                   [_ref(b)], {"run": _names(b), "numbers": [b["val"]]})
     for project in ("scaling-laws", "long-ctx", "prod-1b3", MLFLOW_PROJECT, TB_PROJECT):
         b = best(m.runs(project=project))
@@ -184,9 +184,9 @@ def mean(m: _Maker) -> None:
     for size in sizes_in(m):
         rows = m.runs(project="gpt-sweep", size=size, lr=SIZES[size][4])
         if _mean(rows) is not None:
-            m.add("mean", f"What's the average {m.pick(VAL)} of the {m.size_word(size)} sweep runs at "
+            m.add("mean", f"What's the average {m.pick(VAL)} of the {m.size_word(size)} runs in gpt-sweep at "
                   f"{m.pick(LR)} {SIZES[size][4]:g}?", expect={"numbers": [_mean(rows)]})
-        groups(f"Mean {m.pick(VAL)} with warmup 500 vs 2000 for {m.size_word(size)} in the sweep, at "
+        groups(f"Mean {m.pick(VAL)} with warmup 500 vs 2000 for {m.size_word(size)} in gpt-sweep, at "
                f"{m.pick(LR)} 1e-4?", "gpt-sweep", "warmup", (500, 2000), size=size, lr=1e-4)
 
 
@@ -233,9 +233,9 @@ def best_config(m: _Maker) -> None:
     for size in sizes_in(m):
         b = best(m.runs(size=size, project="gpt-sweep"))
         if b:
-            m.add("best_config", m.pick(("What's the best config at {s} in the sweep?",
+            m.add("best_config", m.pick(("What's the best config at {s} in gpt-sweep?",
                                          "Best lr/warmup/batch setup for {s} models in gpt-sweep?",
-                                         "Which sweep settings work best at {s}?")).format(s=m.size_word(size)),
+                                         "Which gpt-sweep settings work best at {s}?")).format(s=m.size_word(size)),
                   [_ref(b)], {"run": _names(b), "numbers": [b["lr"], b["warmup"]]})
 
 
@@ -252,7 +252,7 @@ def diverged_lrs(m: _Maker) -> None:
             fine = sorted({f["lr"] for f in rows} - set(bad))
             if bad:
                 m.add("diverged_lrs", f"At {m.size_word(size)}, which {m.pick(LR)}s blew up with a {warmup}-step "
-                      "warmup in the sweep?", [_ref(f) for f in rows if f["status"] == "diverged"][:5],
+                      "warmup in gpt-sweep?", [_ref(f) for f in rows if f["status"] == "diverged"][:5],
                       {"numbers": bad, "absent": fine})
 
 

@@ -130,8 +130,9 @@ def faithfulness(text: str, evidence: list[float]) -> tuple[int, int]:
     return len(written), sum(any(matches(w, v) for v in evidence) for w in written)
 
 
-_PAIR = re.compile(r"^\s*[\w./-]+\s*[=:]\s*(.+?)\s*$")
+_PAIR = re.compile(r"^\s*([\w./-]+)\s*[=:]\s*(.+?)\s*$")
 _WORD = re.compile(r"[a-z][a-z0-9_/.+-]+")
+_ABSENT = {"absent", "unset", "none", "null", "missing"}
 
 
 def citation_valid(engine, kind: str, ref: str, quote: str, texts: dict[str, str]) -> bool:
@@ -146,7 +147,12 @@ def citation_valid(engine, kind: str, ref: str, quote: str, texts: dict[str, str
     have = values_of(text) + values_of(stored)
     words_have = set(_WORD.findall(f"{text} {stored}".lower()))
 
-    def holds(part: str) -> bool:
+    def holds(part: str, key: str = "") -> bool:
+        value, leaf = part.strip().strip("'\"").lower(), key.rsplit(".", 1)[-1].lower()
+        if key and value == "true":         # a flag or tag the record has (tags.baseline=true)
+            return leaf in words_have or value in words_have
+        if key and (value in _ABSENT or value == "false"):      # ... or lacks
+            return leaf not in words_have or value in words_have
         numbers = numbers_in(part)
         words = set(_WORD.findall(re.sub(r"\d[\d.eE+-]*", " ", part.lower())))
         return all(any(matches(w, v) for v in have) for w in numbers) and \
@@ -154,7 +160,7 @@ def citation_valid(engine, kind: str, ref: str, quote: str, texts: dict[str, str
 
     pairs = [_PAIR.match(p) for p in quote.split(",")]
     if all(pairs):          # the planner's quotes: `summary.val/loss=3.0534, status=diverged`
-        return all(holds(m.group(1)) for m in pairs)
+        return all(holds(m.group(2), m.group(1)) for m in pairs)
     return holds(quote)
 
 
