@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 
+from agents.corpus import chunks_by_key  # noqa: E402
 from benchmarks.qa_build import KB_COMMAND, build  # noqa: E402
 from benchmarks.qa_history import make_history  # noqa: E402
 from benchmarks.qa_questions import QUANTITATIVE, Question, from_dicts, make_questions, stratified  # noqa: E402
@@ -62,7 +63,6 @@ def prepare(kb, plan: str, home: Path) -> list[Question]:
 
 def score(kb, q: Question, gold: set[str], ranked: list[str] | None, text: str, cites: list[tuple[str, str, str]],
           rows=None, sql: str | None = None, texts: dict[str, str] | None = None) -> Scored:
-    from agents.corpus import chunks_by_key
     s = Scored(q.id, q.shape, q.answerable, text=text,
                raw={"ranked": ranked, "cites": cites, "rows": rows, "sql": sql, "texts": texts})
     if ranked is not None and gold and not q.history:
@@ -87,7 +87,7 @@ def score(kb, q: Question, gold: set[str], ranked: list[str] | None, text: str, 
 
 
 def eval_agent(kb, questions: list[Question], golds: dict[str, set[str]], progress=None) -> list[Scored]:
-    retriever = kb._retriever()
+    retriever = kb._retriever()         # the very Retriever that ask() uses, timed alone
     retriever.retrieve("warm up: load the keyword index and the embedding model", k=5)
     kb.ask("Which learning rate gave the lowest val loss?")        # loads the LLM
     out = []

@@ -245,14 +245,14 @@ def diverged_lrs(m: _Maker) -> None:
         fine = sorted({f["lr"] for f in m.runs(size=size, status="completed")} - set(bad))
         if bad:
             m.add("diverged_lrs", f"Which {m.pick(LR)}s diverged at {m.size_word(size)}?",
-                  [_ref(f) for f in m.runs(size=size, status="diverged")][:5], {"numbers": bad, "absent": fine})
+                  [_ref(f) for f in m.runs(size=size, status="diverged")], {"numbers": bad, "absent": fine})
         for warmup in (500, 2000):
             rows = m.runs(size=size, project="gpt-sweep", warmup=warmup)
             bad = sorted({f["lr"] for f in rows if f["status"] == "diverged"})
             fine = sorted({f["lr"] for f in rows} - set(bad))
             if bad:
                 m.add("diverged_lrs", f"At {m.size_word(size)}, which {m.pick(LR)}s blew up with a {warmup}-step "
-                      "warmup in gpt-sweep?", [_ref(f) for f in rows if f["status"] == "diverged"][:5],
+                      "warmup in gpt-sweep?", [_ref(f) for f in rows if f["status"] == "diverged"],
                       {"numbers": bad, "absent": fine})
 
 
