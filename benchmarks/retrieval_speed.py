@@ -126,7 +126,10 @@ def main() -> None:
 
     import torch
     torch.set_num_threads(1)
+    from sqlalchemy import func, select
+
     from kb.api import KnowledgeBase
+    from kb.models import Note
     from kb.settings import Settings
     from synth import make_runs
 
@@ -141,15 +144,19 @@ def main() -> None:
             r["project"] = f"synth-{i % 8}"
         kb.ingest_records(synth, index=False)
         kb.sync_index()
-    real = kb.index.count()
+    have = kb.index.count()                   # a reused home may hold filler already
+    with kb.engine.connect() as conn:
+        real = have - conn.execute(select(func.count()).select_from(Note).where(Note.source_kind == "filler")).scalar()
     print(f"real part: {real:,} chunks embedded by MiniLM in {time.perf_counter() - t:.0f} s "
           f"({kb.count()['runs']:,} runs); the rest of each size is filler notes with random unit vectors")
     questions = [q.text for q in make_questions(h)]
     rng = random.Random(0)
     queries = [rng.choice(questions) for _ in range(args.queries)]
     results = {}
-    have = real
     for size in sorted(args.sizes):
+        if size < have:
+            print(f"\nat {size:,}: skipped, this home already holds {have:,} chunks (use a fresh --home)")
+            continue
         if size > have:
             dt = add_filler(kb, size - have, start=have)
             print(f"  (+{size - have:,} filler notes and points in {dt:.1f} s)")
