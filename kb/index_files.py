@@ -47,6 +47,24 @@ def take_lock(path: Path):
     return fh
 
 
+@contextmanager
+def writes_settled(path: Path, *, writer: bool):
+    """Hold `<name>.write.lock` beside the folder: a writer exclusively for each write and its flush,
+    a reader's copy shared, so that no copy catches a segment half-written. A reader that cannot
+    open the file (a read-only store has no writer) copies without it."""
+    lock_path = path.with_name(path.name + ".write.lock")
+    try:
+        fh = open(lock_path, "a" if writer else "r")
+    except OSError:
+        if writer:
+            raise
+        yield
+        return
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX if writer else fcntl.LOCK_SH)
+        yield                         # closing the file releases its flock
+
+
 def remove(path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)

@@ -40,7 +40,7 @@ import numpy as np
 
 from kb.errors import IndexDamaged, KBError, ReadOnlyStore
 from kb.index_files import (busy, copy_shard, damaged, meta_path, native_stderr_to_log, read_meta, remove,
-                            take_lock)
+                            take_lock, writes_settled)
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,8 @@ class EdgeIndex:
         for attempt in range(1, COPY_TRIES + 1):
             scratch = Path(tempfile.mkdtemp(prefix="kb-index-"))
             try:
-                unchanged = copy_shard(path, scratch / path.name)
+                with writes_settled(path, writer=False):
+                    unchanged = copy_shard(path, scratch / path.name)
                 shard = _edge_call(lambda: qe.EdgeShard.load(str(scratch / path.name)), path, opening=True)
             except BaseException as exc:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -237,20 +238,22 @@ class EdgeIndex:
     def upsert(self, points: list[VectorPoint]) -> None:
         import qdrant_edge as qe
         self._check_writable()
-        for chunk in _batches(points):
-            _edge_call(lambda: self.shard.update(qe.UpdateOperation.upsert_points(
-                [qe.Point(qdrant_id(p.id), _as_list(p.vector), _payload(p)) for p in chunk])), self.path)
-        # the WAL already makes this durable; flushing keeps the replay after a crash short, and
-        # lets a reader's copy (open_copy, which leaves the WAL out) see the new points
-        _edge_call(self.shard.flush, self.path)
+        with writes_settled(self.path, writer=True):
+            for chunk in _batches(points):
+                _edge_call(lambda: self.shard.update(qe.UpdateOperation.upsert_points(
+                    [qe.Point(qdrant_id(p.id), _as_list(p.vector), _payload(p)) for p in chunk])), self.path)
+            # the WAL already makes this durable; flushing keeps the replay after a crash short, and
+            # lets a reader's copy (open_copy, which leaves the WAL out) see the new points
+            _edge_call(self.shard.flush, self.path)
 
     def delete(self, ids: list[str]) -> None:
         import qdrant_edge as qe
         self._check_writable()
-        for chunk in _batches(list(ids)):
-            _edge_call(lambda: self.shard.update(qe.UpdateOperation.delete_points([qdrant_id(i) for i in chunk])),
-                       self.path)
-        _edge_call(self.shard.flush, self.path)
+        with writes_settled(self.path, writer=True):
+            for chunk in _batches(list(ids)):
+                _edge_call(lambda: self.shard.update(
+                    qe.UpdateOperation.delete_points([qdrant_id(i) for i in chunk])), self.path)
+            _edge_call(self.shard.flush, self.path)
 
     def _check_writable(self) -> None:
         if self._scratch is not None:

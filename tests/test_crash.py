@@ -29,6 +29,10 @@ from kb.models import IndexPending, MetricPoint, Run, RunField
 pytestmark = pytest.mark.slow
 KB = shutil.which("kb") or str(Path(sys.executable).parent / "kb")
 RUNS = 300
+# `kb ingest` with commits every 20 ms rather than every second: on a fast machine the default
+# would store all RUNS in one commit, leaving no moment between commits for the kill to land in
+OFTEN = ("import sys; from kb.db import WriteBatch; WriteBatch.BATCH_SECONDS = 0.02; "
+         "from kb.cli import run; sys.argv[0] = 'kb'; run()")
 
 
 def records(n: int = RUNS) -> list[dict]:
@@ -60,8 +64,9 @@ def count(engine, table) -> int:
         return conn.execute(select(func.count()).select_from(table)).scalar_one()
 
 
-def kill_when(proc: subprocess.Popen, ready, rng: random.Random, timeout: float = 600) -> bool:
-    """SIGKILL `proc` a random moment (0-0.5 s) after `ready()` first holds; False if it ended first."""
+def kill_when(proc: subprocess.Popen, ready, rng: random.Random, timeout: float = 600,
+              delay: float = 0.5) -> bool:
+    """SIGKILL `proc` a random moment (0-`delay` s) after `ready()` first holds; False if it ended first."""
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         try:
@@ -69,7 +74,7 @@ def kill_when(proc: subprocess.Popen, ready, rng: random.Random, timeout: float 
         except Exception:           # noqa: BLE001 - the schema may not exist yet: not ready
             hit = False
         if hit:
-            time.sleep(rng.uniform(0, 0.5))
+            time.sleep(rng.uniform(0, delay))
             break
         time.sleep(0.02)
     if proc.poll() is not None:
@@ -125,13 +130,13 @@ def _indexed(settings) -> set[str]:
 def test_kill_during_ingest_leaves_runs_complete_or_absent(store, seed):
     env, path, settings = store
     rng = random.Random(seed)
-    target = rng.randint(1, RUNS - 1)
+    target = rng.randint(1, RUNS * 2 // 3)
     from kb.db import make_engine
     engine = make_engine(settings.sql_url)
-    proc = subprocess.Popen([KB, "ingest", str(path), "--no-index"], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", OFTEN, "ingest", str(path), "--no-index"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        killed = kill_when(proc, lambda: count(engine, Run) >= target, rng)
+        killed = kill_when(proc, lambda: count(engine, Run) >= target, rng, delay=0.05)
     finally:
         engine.dispose()
     assert killed, f"ingest ended before {target} runs were stored: {proc.stderr.read()[-500:]!r}"
