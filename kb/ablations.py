@@ -138,14 +138,20 @@ def _baseline(groups: list[Config]) -> Config:
     return min(groups, key=rank)
 
 
-def _pooled_sigma(groups: list[Config], metric: str) -> float | None:
+def pooled_sd(groups: list[Config], metric: str) -> tuple[float | None, int]:
+    """(pooled seed standard deviation, its degrees of freedom) over the groups with two or more
+    values of `metric`; (None, 0) when no group has. kb.verdicts tests effects against it."""
     ss, dof = 0.0, 0
     for g in groups:
         v = g.values(metric)
         if len(v) >= 2:
             ss += statistics.variance(v) * (len(v) - 1)
             dof += len(v) - 1
-    return (ss / dof) ** 0.5 if dof else None
+    return ((ss / dof) ** 0.5 if dof else None), dof
+
+
+def _pooled_sigma(groups: list[Config], metric: str) -> float | None:
+    return pooled_sd(groups, metric)[0]
 
 
 def _build(project: str, factor: str, groups: list[Config], key: str | None) -> dict:

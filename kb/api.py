@@ -348,6 +348,29 @@ class KnowledgeBase:
         return self._retriever_obj
 
 
+    # ---- verdicts and mixtures -----------------------------------------------------------------
+
+    def compare(self, baseline, variant, metric: str = "val/loss", level: float = 0.95, **options):
+        """kb.verdicts.compare: a Verdict (better | worse | inconclusive against seed noise)."""
+        from kb.verdicts import compare
+        return compare(self, baseline, variant, metric=metric, level=level, **options)
+
+    def transfer(self, baseline, variant, *, target: float, **options):
+        """kb.transfer.transfer: does a gain measured at proxy scales hold at `target`?"""
+        from kb.transfer import transfer
+        return transfer(self, baseline, variant, target=target, **options)
+
+    def patterns(self, **options):
+        """kb.patterns.patterns: changes ablated in several projects or scales, with their record."""
+        from kb.patterns import patterns
+        return patterns(self, **options)
+
+    def mixture_fit(self, project: str, metric: str = "val/loss", where: str | None = None, **options):
+        """kb.mixture.fit_mixture: the metric as a law of the data mixture; .best() the optimum."""
+        from kb.mixture import fit_mixture
+        return fit_mixture(self, project, metric=metric, where=where, **options)
+
+
 def open_kb(kb: KnowledgeBase | Settings | None = None) -> KnowledgeBase:
     """A KnowledgeBase from None (KB_* settings), a Settings, or an open KnowledgeBase.
 

@@ -56,3 +56,9 @@ class LLMError(KBError):
 
 class LLMOutputInvalid(LLMError):
     """The language model's output is not the JSON its schema asks for (after the allowed retry)."""
+
+
+class InsufficientData(QueryError):
+    """Too little, or degenerate, data for an analysis: no seed repeats to measure noise with, one
+    scale, a mixture that never varies. Bad input to that analysis (exit 2); the message says what
+    runs are missing."""
