@@ -93,23 +93,26 @@ class Agent:
         planned = self._plan(question)
         if planned is not None:
             answer, plan = planned
-            return verify(answer, question, self.kb.engine), plan
+            return _read(verify(answer, question, self.kb.engine), _row_keys(answer)), plan
         from agents.explain import explain
+        self.retriever.refresh_if_changed()
+        if absent_names(question, self.retriever):
+            return Answer(NO_EVIDENCE), None
         explained = explain(self.kb, question, self.retriever)
         if explained is not None:
-            return verify(explained, question, self.kb.engine), None
-        self.retriever.refresh_if_changed()
+            return _read(verify(explained, question, self.kb.engine), _cited_keys(explained)), None
         hits = self.retriever.retrieve(question, k=8, kinds=_kinds_for(question))
+        read = [h.key for h in hits]
         if not grounded(question, hits):
-            return Answer(NO_EVIDENCE), None
+            return _read(Answer(NO_EVIDENCE), read), None
         context = hits[:CONTEXT_CHUNKS]
         claims = self._generate(question, context)
         chunks = {h.key: h.chunk for h in context}
         answer = compose(claims, chunks)
         answer = verify(answer, question, self.kb.engine, chunks)
-        if answer.citations:
-            return answer, None
-        return verify(compose(extract(question, context), chunks), question, self.kb.engine, chunks), None
+        if not answer.citations:
+            answer = verify(compose(extract(question, context), chunks), question, self.kb.engine, chunks)
+        return _read(answer, read), None
 
     def _plan(self, question: str):
         try:
@@ -222,6 +225,89 @@ def grounded(question: str, hits: list[Retrieved]) -> bool:
     if not distinctive:
         return False
     return any(distinctive & set(tokens(h.chunk.text)) for h in hits[:3])
+
+
+def absent_names(question: str, retriever: Retriever) -> list[str]:
+    """What the question asks about that no record mentions: a model size no run has ("the
+    13B model"), a run id ("gpt-13b-final"), a name no record uses ("Lion", "HellaSwag", "FP8"),
+    or most of its topic words ("the speech model's word error rate"). A question about
+    something the store has never seen has no evidence, however well its other words match,
+    and answering it from a neighbour would be a confident wrong answer."""
+    known = retriever.vocabulary()
+    if not known:
+        return []
+    missing = []
+    for i, m in enumerate(_WORD.finditer(question)):
+        word = m.group(0)
+        first = m.start() == 0 or question[:m.start()].rstrip().endswith((".", "?", "!", ":"))
+        if word.lower() in _QUESTION_WORDS or not _is_name(word, first):
+            continue
+        toks = [t for t in tokens(word) if not _is_plain_number(t)]
+        if not toks or toks[0] in known:
+            continue
+        if _ID.fullmatch(word) and not _SIZE.fullmatch(word):
+            # an id's generic parts ("gpt", "final") prove nothing: its parts with digits must
+            # be known ("125M-param" is; "gpt-13b-final" and "sw-2.7b-lr3e-4-s0" are not)
+            parts = [tokens(p)[0] for p in re.split(r"[-_:/]+", word) if tokens(p)]
+            named = [t for t in parts if any(c.isdigit() for c in t)]
+            if any(not _knows(known, t) for t in named) or not any(_knows(known, t) for t in parts):
+                missing.append(word)
+        elif not any(_knows(known, t) for t in toks):
+            missing.append(word)
+    if missing:
+        return missing
+    topic = [t for t in dict.fromkeys(tokens(question)) if t not in GENERIC and len(t) > 2
+             and not _is_plain_number(t) and not _ID.fullmatch(t)]     # a compound's parts count
+    unknown = [t for t in topic if not _knows(known, t)]
+    # one odd word is a paraphrase ("among", "setup"); most of the topic unknown is another topic
+    return unknown if len(topic) >= 2 and len(unknown) * 2 > len(topic) else []
+
+
+def _knows(known, token: str) -> bool:
+    return token in known or (token.endswith("s") and token[:-1] in known)
+
+
+_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9@]*(?:[-_.:/][A-Za-z0-9@]+)*")
+_ID = re.compile(r"\w+(?:[-_.:/]\w+)+")
+_SIZE = re.compile(r"\d+(?:\.\d+)?[A-Za-z]{0,2}")      # 2.7B, 1.3b: one name, not an id
+# question words, capitalised at a sentence's start without being names
+_QUESTION_WORDS = frozenset("""what which who whom whose when where why how did does do is are was were
+can could should would will has have had in at on for of the a an and or but if with without among
+between compare list show tell give name find across after before during from since i we""".split())
+
+
+def _is_name(word: str, first: bool) -> bool:
+    """A word that names something: it has a digit, inner or repeated capitals (FP8, HellaSwag,
+    muP), joins parts (an id), or is capitalised mid-sentence (Lion, Sophia)."""
+    if any(c.isdigit() for c in word) or _ID.fullmatch(word):
+        return not _is_plain_number(word)
+    if sum(c.isupper() for c in word) >= 2 or (word[:1].islower() and any(c.isupper() for c in word)):
+        return True
+    return word[:1].isupper() and not first
+
+
+def _is_plain_number(tok: str) -> bool:
+    try:
+        float(tok)
+        return True
+    except ValueError:
+        return False
+
+
+def _read(answer: Answer, keys: list[str]) -> Answer:
+    answer.retrieved = list(dict.fromkeys(keys))
+    return answer
+
+
+def _row_keys(answer: Answer) -> list[str]:
+    """A planned answer read the runs its SQL returned, in the SQL's order."""
+    keys = [f"{c.kind}:{c.id}" for c in answer.citations]
+    keys += [f"run:{r['run_id']}" for r in answer.rows or [] if r.get("run_id")]
+    return keys
+
+
+def _cited_keys(answer: Answer) -> list[str]:
+    return [f"{c.kind}:{c.id}" for c in answer.citations]
 
 
 def extract(question: str, context: list[Retrieved]) -> list[Claim]:

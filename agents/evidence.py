@@ -26,6 +26,10 @@ class Answer:
     # The rows the SQL returned (column name -> value), kept so a verifier can check that
     # every number in the text was measured; not part of the contract's JSON.
     rows: list[dict] = field(default_factory=list)
+    # The records the agent read to answer, best first, as "kind:id" keys: the SQL's runs for a
+    # planned question, the diffed runs and their failures for an explanation, the hybrid hits
+    # otherwise. What the evaluation's recall measures; not part of the contract's JSON.
+    retrieved: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"answer": self.text, "citations": [c.as_dict() for c in self.citations],

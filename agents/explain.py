@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from agents.evidence import Answer, Citation
+from agents.evidence import NO_EVIDENCE, Answer, Citation
 from kb.fields import leaves
 from kb.vocab import canonical_metrics
 
@@ -15,26 +15,37 @@ _WORSE = re.compile(r"\bwhy\b.*?\b(?:did|does|was|is)\b\s+(?P<b>.+?)\s+(?:do|per
                     r"(?:up\s+)?(?P<dir>worse|better|higher|lower)\s+than\s+(?P<a>.+?)[?.!]*$", re.I)
 _FAILED = re.compile(r"\bwhy\b.*?\b(?:did|does|was|has)\b\s+(?P<x>.+?)\s+"
                      r"(?:diverge|blow up|fail|crash|die|go nan|oom|stop|hang)\w*\b", re.I)
+# "at what step did X fail", "when did X blow up": the same record read, the step its answer
+_FAILED_AT = re.compile(r"\b(?:at\s+)?(?:what|which)\s+step\s+(?:did|does|was|has)\s+(?P<x>.+?)\s+"
+                        r"(?:diverge|blow up|fail|crash|die|go nan|oom|stop|hang)\w*\b", re.I)
+_NAMES_A_RUN = re.compile(r"\w*\d\w*[-_.:/]\w|\w[-_.:/]\w*\d")
+_KNOW = re.compile(r"\b(what do we know|what have we learn(?:ed|t)|what did we learn|summari[sz]e|"
+                   r"lessons?|findings?)\b", re.I)
+_MAX_ABLATIONS = 3
 _MAX_DIFFS = 6
 _METRIC_ORDER = ("val/loss", "train/loss")
 
 
 def explain(kb, question: str, retriever) -> Answer | None:
+    if _KNOW.search(question):
+        return what_we_know(kb, question)
     m = _WORSE.search(question)
     if m:
         b, a = _one_run(retriever, m.group("b")), _one_run(retriever, m.group("a"))
         if a and b and a != b:
             return _compare(kb, kb.run(a), kb.run(b))
         return None
-    m = _FAILED.search(question)
+    m = _FAILED.search(question) or _FAILED_AT.search(question)
     if m:
         x = _one_run(retriever, m.group("x"))
+        if x is None and _NAMES_A_RUN.search(m.group("x")):
+            return Answer(NO_EVIDENCE)      # a run id no run has: not some other run's failure
         if x is None:
             hits = retriever.retrieve(question, k=5, kinds={"failure", "run"},
                                       where="status in ('diverged', 'failed', 'crashed')")
             x = next((h.chunk.run_id for h in hits if h.chunk.run_id), None)
         if x:
-            return _failure(kb, kb.run(x))
+            return _failure(kb, kb.run(x), retriever)
     return None
 
 
@@ -73,10 +84,12 @@ def _compare(kb, a, b) -> Answer:
     return Answer(" ".join(out), cites)
 
 
-def _failure(kb, x) -> Answer:
+def _failure(kb, x, retriever=None) -> Answer:
     cites = [Citation("run", x.id, x.name or x.id)]
     out = [f"Run {x.id} ended with status {x.status} [1]."]
     _failure_sentences(x, cites, out)
+    if retriever is not None:
+        _postmortems(x, retriever, cites, out)
     for an in x.anomalies[:3]:
         out.append(f"Its {an['key']} shows a {an['kind']} at step {an['step']} [1].")
     for abl in x.ablations[:2]:
@@ -89,6 +102,21 @@ def _failure(kb, x) -> Answer:
             out.append(f"In its ablation of {abl['factor']}, the values {values} finished while "
                        f"{', '.join(str(v['value']) for v in bad)} did not [{n}].")
     return Answer(" ".join(out), cites)
+
+
+def _postmortems(run, retriever, cites: list[Citation], out: list[str], limit: int = 2) -> None:
+    """Notes that name the run (a postmortem, an incident write-up): their line about it."""
+    hits = retriever.retrieve(f"{run.id} {run.name or ''} failure cause", k=6, kinds={"note"})
+    for h in hits:
+        text = h.chunk.text
+        if run.id not in text and not (run.name and run.name in text):
+            continue
+        lines = [ln.strip() for ln in text.splitlines()[1:] if ln.strip()] or [text.strip()]
+        line = next((ln for ln in lines if run.id in ln), lines[0])
+        cites.append(Citation("note", h.chunk.id, line[:200]))
+        out.append(f"A note on it says: {line[:240].rstrip('.')} [{len(cites)}].")
+        if sum(c.kind == "note" for c in cites) >= limit:
+            return
 
 
 def _failure_sentences(run, cites: list[Citation], out: list[str]) -> None:
@@ -107,3 +135,56 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
     lb = {".".join(p): v for p, v in leaves(b) if p and not isinstance(v, (dict, list))}
     keys = sorted(set(la) | set(lb))
     return [(prefix + k, la.get(k, "unset"), lb.get(k, "unset")) for k in keys if la.get(k) != lb.get(k)]
+
+
+def what_we_know(kb, question: str) -> Answer | None:
+    """ "What do we know about batch size 256 vs 512?": the ablations whose factor the question
+    names (by the vocabulary's name for it, or by the values it compared), each with its values,
+    their final metric and whether the effect clears the seed noise. None when no ablation is
+    about it (notes are then for retrieval to find)."""
+    from sqlmodel import Session, select
+
+    from agents.planner import fmt
+    from agents.sparse import tokens
+    from kb.models import Ablation
+    from kb.vocab import fold, hparam_name
+
+    asked = set(tokens(question))
+    named = {hparam_name(" ".join(question.lower().split()[i:i + n])) for n in (1, 2, 3)
+             for i in range(len(question.split()))} - {None}
+    scored = []
+    with Session(kb.engine) as s:
+        for abl in s.exec(select(Ablation).limit(5000)):
+            leaf = abl.factor.rsplit(".", 1)[-1]
+            by_name = hparam_name(leaf) in named or fold(leaf) in {fold(t) for t in asked}
+            values = {str(v.get("value")).lower() for v in abl.variants}
+            by_value = {t for t in asked if t in values or any(t in tokens(v) for v in values)}
+            if by_name or len(by_value) >= 1 and any(not t[0].isdigit() for t in by_value) or len(by_value) >= 2:
+                scored.append((by_name + len(by_value), abl))
+    if not scored:
+        return None
+    scored.sort(key=lambda x: (-x[0], x[1].project, x[1].id))
+    cites, out = [], []
+    for _, abl in scored[:_MAX_ABLATIONS]:
+        ok = [v for v in abl.variants if v.get("metric") is not None]
+        if not ok:
+            continue
+        cites.append(Citation("ablation", abl.id, f"{abl.factor} varied, {abl.metric} compared"))
+        listed = "; ".join(f"{_value(v['value'])}: {fmt(v['metric'], True)}"
+                           + (f" over {v['seeds']} seeds" if (v.get("seeds") or 1) > 1 else "") for v in ok)
+        best = min(ok, key=lambda v: v["metric"])
+        noise = ""
+        if abl.effect.get("seed_sigma") is not None:
+            clears = any(v.get("exceeds_seed_spread") for v in ok if not v.get("baseline"))
+            noise = (f"; the difference {'exceeds' if clears else 'is within'} the seed noise "
+                     f"(sigma {abl.effect['seed_sigma']:.4g})")
+        out.append(f"In project {abl.project}, the ablation of {abl.factor} gave final {abl.metric} {listed}; "
+                   f"the lowest was {_value(best['value'])}{noise} [{len(cites)}].")
+    return Answer(" ".join(out), cites) if out else None
+
+
+def _value(value) -> str:
+    """A variant's value as written: a tag ablation's variants are config differences."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) or "the baseline config"
+    return str(value)

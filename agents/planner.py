@@ -24,7 +24,8 @@ from sqlalchemy import literal, select, union_all
 
 from agents.evidence import NO_EVIDENCE, Answer, Citation
 from agents.planner_parse import Plan, follow_up, parse
-from agents.planner_sql import GROUP_MEMBERS, run, statement
+from agents.planner_sql import GROUP_MEMBERS, field, run, statement
+from kb.query_sql import codepoint
 from agents.planner_words import HIGHER_IS_BETTER, label
 from agents.sql import ReadOnlySQL, SQLResult
 
@@ -83,8 +84,18 @@ def link_words(ro: ReadOnlySQL, words: list[str]) -> dict[str, tuple[str, str]]:
              select(literal("project"), run.c.project, run.c.project).where(run.c.project.in_(words)).distinct()]
     if names:
         parts.append(select(literal("name"), run.c.id, run.c.name).where(run.c.name.in_(names)))
+    # a config value ("rmsnorm", "rope"): one categorical key holds it; a word that is a value
+    # of several keys names none of them
+    spellings = {w: w for w in words} | {w.lower(): w for w in words if w.lower() not in words}
+    values = (select(literal("value"), field.c.key, field.c.text)
+              .where(field.c.vtype == "s", field.c.text.in_(list(spellings)),
+                     codepoint(field.c.key) >= "config.", codepoint(field.c.key) < "config/")
+              .distinct().limit(200))
     found: dict[str, tuple[str, str]] = {}
     named: dict[str, set[str]] = {}
+    valued: dict[str, set[tuple[str, str]]] = {}
+    for _, key, text in ro.run(values).rows:       # apart: SQLite allows no LIMIT inside a UNION
+        valued.setdefault(spellings[text], set()).add((key, text))
     for kind, ref, word in ro.run(union_all(*parts)).rows:
         if kind == "id":
             found[word] = ("run", ref)
@@ -95,6 +106,10 @@ def link_words(ro: ReadOnlySQL, words: list[str]) -> dict[str, tuple[str, str]]:
     for word, refs in named.items():
         if word not in found and len(refs) == 1:          # a name several runs share names none
             found[word] = ("run", refs.pop())
+    for word, keys in valued.items():
+        if word not in found and len({k for k, _ in keys}) == 1:
+            key, text = keys.pop()
+            found[word] = ("value", key, text)
     return found
 
 
@@ -114,7 +129,7 @@ def answer(plan: Plan, ro: ReadOnlySQL) -> PlannedAnswer:
     if not rows and plan.shape != "diff":
         return _no_evidence(plan, result)
     text, citations = WRITERS[plan.shape](plan, rows)
-    return PlannedAnswer(text, citations, result.sql, rows, plan)
+    return PlannedAnswer(text, citations, result.sql, rows, plan=plan)
 
 
 def fmt(value: Any, computed: bool = False) -> str:
@@ -151,7 +166,7 @@ def _no_evidence(plan: Plan, result: SQLResult) -> PlannedAnswer:
     key = plan.report[0] if plan.shape == "values" else plan.metric
     what = f" with a numeric {label(key)}" if key else ""
     text = f"{NO_EVIDENCE} I searched for runs {scope(plan)}{what}, and none matched."
-    return PlannedAnswer(text, [], result.sql, [], plan)
+    return PlannedAnswer(text, [], result.sql, [], plan=plan)
 
 
 def _extreme(plan: Plan, rows: list[dict]) -> tuple[str, list[Citation]]:

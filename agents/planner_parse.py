@@ -33,7 +33,7 @@ MAX_K = 20
 @dataclass(frozen=True)
 class Constraint:
     dim: str            # a RunField key (hparams.lr, scale.params), or project | runs | tag | outcome
-    op: str             # near (values: (lo, hi) bands, any holds) | < | <= | > | >= | in
+    op: str             # near (values: (lo, hi) bands, any holds) | < | <= | > | >= | in | is (text values)
     values: tuple
     words: str          # what it means, in the question's own numbers, for the answer's scope
     negated: bool = False
@@ -179,6 +179,7 @@ def constraints(its: list[Item], grouping: bool) -> list[Constraint]:
         for x in its[i:end]:
             x.used = True
     out += _outcomes(its)
+    out += _config_values(its)
     for i, it in enumerate(its):                  # project P, P project, tagged T, linked runs
         if it.kind in ("project_kw", "tag_kw") and not it.used:
             # "project X" or "the X project"; a tag only after: "tagged X"
@@ -215,6 +216,36 @@ def _near(key: str, vals: list[Item]) -> Constraint:
     rel = SCALE_BAND if key.startswith("scale.") else VALUE_BAND
     return Constraint(key, "near", tuple(_band(_number_of(v), rel) for v in vals),
                       _describe(key, "near", [v.text for v in vals]), labels=tuple(v.text for v in vals))
+
+
+def _config_values(its: list[Item]) -> list[Constraint]:
+    """Config values named by themselves ("rmsnorm runs", "rope and learned position embeddings"):
+    values of one key joined by and/or/vs are one constraint that lists them, so a mean or a
+    comparison groups by them."""
+    out: list[Constraint] = []
+    i = 0
+    while i < len(its):
+        it = its[i]
+        if it.kind != "value" or it.used:
+            i += 1
+            continue
+        key, texts, j = it.value[1], [it.value[2]], i + 1
+        it.used = True
+        while j < len(its):
+            nxt = its[j]
+            if nxt.kind == "value_noun" or (nxt.kind == "filler" and nxt.text.lower() in ("the", "a", "an")):
+                nxt.used = True
+            elif nxt.kind == "conj" and j + 1 < len(its) and its[j + 1].kind == "value" and its[j + 1].value[1] == key:
+                nxt.used = its[j + 1].used = True
+                texts.append(its[j + 1].value[2])
+                j += 1
+            else:
+                break
+            j += 1
+        name = label(key)
+        out.append(Constraint(key, "is", tuple(texts), f"with {name} " + " or ".join(texts), labels=tuple(texts)))
+        i = j
+    return out
 
 
 def _outcomes(its: list[Item]) -> list[Constraint]:
@@ -353,7 +384,7 @@ def _aggregate(its: list[Item], free: list[Item], where: list[Constraint]) -> Pl
     else:
         metric_key, metric.used = metric.value, True
     if group is None:                               # "between warmup 1000 and 2000": the listed values
-        listed = [c for c in where if c.op == "near" and len(c.values) > 1 and c.dim != metric_key]
+        listed = [c for c in where if c.op in ("near", "is") and len(c.values) > 1 and c.dim != metric_key]
         if len(listed) == 1:
             group = listed[0].dim
         elif any(c.dim == "runs" and len(c.values) > 1 for c in where):
@@ -392,6 +423,8 @@ def _extreme(its: list[Item], free: list[Item], where: list[Constraint]) -> Plan
         measured.used = True
     if config is not None:
         config.used = True
+        for q in free:                              # "best lr/warmup/batch setup": the config shows them
+            q.used = True
         return Plan("best_config", metric=metric, lowest=_lowest(direction, metric), where=tuple(where))
     report = tuple(dict.fromkeys(q.value for q in free if not q.used and q.value != metric))
     for q in free:

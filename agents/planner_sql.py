@@ -51,7 +51,7 @@ def condition(c: Constraint):
             parts.append(run.c.id.in_(select(anomaly.c.run_id).where(anomaly.c.kind.in_(anomalies))))
         cond = or_(*parts)
     else:
-        cond = run.c.id.in_(select(field.c.run_id).where(field.c.key == c.dim, field.c.vtype == "n", _test(field, c)))
+        cond = run.c.id.in_(select(field.c.run_id).where(field.c.key == c.dim, _test(field, c)))
     return not_(cond) if c.negated else cond
 
 
@@ -75,28 +75,34 @@ def _from(plan: Plan, reads: list[tuple] = (), optional: list[tuple] = ()) -> tu
     if scoped:
         first, c = scoped[0]
         source = first.join(run, run.c.id == first.c.run_id)
-        tests = [first.c.key == c.dim, first.c.vtype == "n", _test(first, c)] + tests
+        tests = [first.c.key == c.dim, _test(first, c)] + tests
         for alias, c in scoped[1:]:
-            source = source.join(alias, and_(_on(alias, c.dim), _test(alias, c)))
+            source = source.join(alias, and_(alias.c.run_id == run.c.id, alias.c.key == c.dim, _test(alias, c)))
     else:
         source = run
-    for alias, key in reads:
-        source = source.join(alias, _on(alias, key))
+    for alias, key, *vtype in reads:
+        source = source.join(alias, _on(alias, key, *vtype))
     for alias, key in optional:
         source = source.outerjoin(alias, _on(alias, key))
     return source, tests
 
 
 def _test(f, c: Constraint):
+    """The row's value passes the constraint: a number in a band or past a bound, or (`is`) one
+    of the listed strings."""
+    if c.op == "is":
+        return and_(f.c.vtype == "s", f.c.text.in_(c.values))
     if c.op == "near":
-        return or_(*(f.c.num.between(lo, hi) for lo, hi in c.values))
-    return {"<": f.c.num < c.values[0], "<=": f.c.num <= c.values[0],
-            ">": f.c.num > c.values[0], ">=": f.c.num >= c.values[0]}[c.op]
+        test = or_(*(f.c.num.between(lo, hi) for lo, hi in c.values))
+    else:
+        test = {"<": f.c.num < c.values[0], "<=": f.c.num <= c.values[0],
+                ">": f.c.num > c.values[0], ">=": f.c.num >= c.values[0]}[c.op]
+    return and_(f.c.vtype == "n", test)
 
 
-def _on(alias, key: str):
-    """The join to the run's RunField row holding a number for key."""
-    return and_(alias.c.run_id == run.c.id, alias.c.key == key, alias.c.vtype == "n")
+def _on(alias, key: str, vtype: str = "n"):
+    """The join to the run's RunField row holding a number (or `vtype`) for key."""
+    return and_(alias.c.run_id == run.c.id, alias.c.key == key, alias.c.vtype == vtype)
 
 
 # ---- shapes ----------------------------------------------------------------------------------
@@ -147,8 +153,9 @@ def aggregate(plan: Plan) -> Select:
     cols, reads = [run.c.id.label("run_id"), run.c.name], [(metric, plan.metric)]
     if plan.group and plan.group != "run":
         grp = field.alias("grp")
-        reads.append((grp, plan.group))
-        cols.append(grp.c.num.label(plan.group))
+        textual = any(c.dim == plan.group and c.op == "is" for c in plan.where)
+        reads.append((grp, plan.group, "s") if textual else (grp, plan.group))
+        cols.append((grp.c.text if textual else grp.c.num).label(plan.group))
         listed = next((c for c in plan.where if c.dim == plan.group and c.op == "near" and len(c.labels) > 1), None)
         if listed:
             # values the question listed ("between 125M and 350M", "warmup 1000 and 2000") group

@@ -69,6 +69,7 @@ TOKEN = re.compile(r"""(?<!\w)'([^']+)'(?!\w)|"([^"]+)"|`([^`]+)`|(<=|>=|!=|==|=
                    r"""|(\d{1,3}(?:,\d{3})+(?:\.\d+)?)|([^\s<>=!,;?()"`]+)""")
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?\Z")
 SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kmbt])(?:-?(params?|parameters?|tokens?|flops?|models?))?\Z")
+COUNTED = re.compile(r"(\d+(?:\.\d+)?)-(?:steps?|iters?|iterations?|epochs?)\Z")
 SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 MULTIPLIERS = {"thousand": 1e3, "million": 1e6, "billion": 1e9, "trillion": 1e12}
 UNITS = {"param": "scale.params", "params": "scale.params", "parameter": "scale.params",
@@ -234,6 +235,10 @@ def items(question: str) -> list[Item]:
             if (key := quantity(low[i:i + n])) is not None:
                 best = (n, "qty", key)
                 break
+        if best is None and "/" in text and (keys := _listed_quantities(low[i])):
+            out += [Item("qty", part, key) for part, key in zip(text.split("/"), keys)]
+            i += 1
+            continue
         if best is None:
             out.append(Item("word", text))
             i += 1
@@ -244,9 +249,18 @@ def items(question: str) -> list[Item]:
     return out
 
 
+def _listed_quantities(tok: str) -> list[str] | None:
+    """ "lr/warmup/batch": quantities listed with slashes, when every part is one."""
+    # a list abbreviates: "batch" is the batch size, "warmup" the warmup steps
+    keys = [quantity([part]) or quantity([part, "size"]) or quantity([part, "steps"]) for part in tok.split("/")]
+    return keys if len(keys) > 1 and all(keys) else None
+
+
 def _number(low: list[str], i: int) -> tuple[Item, int] | None:
     """A number or a model size at low[i] (with its multiplier and unit words), and where it ends."""
     tok = low[i]
+    if m := COUNTED.match(tok):                  # "a 500-step warmup": the 500 of the warmup
+        return Item("num", m.group(1), float(m.group(1))), i + 1
     if m := SUFFIXED.match(tok):
         value, end, unit = float(m.group(1)) * SUFFIX[m.group(2)], i + 1, m.group(3)
         tok = m.group(1) + m.group(2)
@@ -284,3 +298,18 @@ def link(its: list[Item], linker: Linker | None) -> None:
     for it in its:
         if it.kind == "word" and it.text in found:
             it.kind, it.value = found[it.text][0], found[it.text]
+    for i, it in enumerate(its):
+        # "learned position embeddings", "rmsnorm layers": the words after a config value that
+        # name its key ("pos" -> position) or say what kind of thing it is
+        if it.kind == "word" and i and its[i - 1].kind in ("value", "value_noun"):
+            key = its[i - 1].value[1] if its[i - 1].kind == "value" else its[i - 1].value
+            leaf = key.rsplit(".", 1)[-1].lower()
+            w = it.text.lower()
+            if w in VALUE_NOUNS or (len(leaf) >= 3 and (w.startswith(leaf) or leaf.startswith(w))):
+                it.kind, it.value = "value_noun", key
+
+
+# what a config value is a kind of: "learned position embeddings", "the rope variant"
+VALUE_NOUNS = {"embedding", "embeddings", "encoding", "encodings", "layer", "layers", "variant",
+               "variants", "type", "types", "option", "options", "setting", "scheme", "schemes",
+               "position", "positions", "positional", "normalization", "normalisation", "norm", "norms"}

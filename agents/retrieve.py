@@ -54,6 +54,10 @@ class Retriever:
         if self._sparse is not None and self._sparse.signature != signature(self.kb.engine):
             self._sparse = None
 
+    def vocabulary(self) -> set[str] | dict:
+        """Every token some record holds (the keyword index's vocabulary)."""
+        return getattr(self.sparse.model, "vocab_dict", None) or {}
+
     def retrieve(self, question: str, k: int = 8, *, where: str | None = None, project: str | None = None,
                  kinds: set[str] | None = None, depth: int = 30) -> list[Retrieved]:
         """The k best chunks for `question`. `where` (a run query) narrows runs and their failures

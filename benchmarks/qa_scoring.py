@@ -35,6 +35,7 @@ class Scored:
     answerable: bool
     recall5: float | None = None          # None: the question has no gold records to retrieve
     rr: float | None = None
+    hybrid_recall5: float | None = None   # the agent's hybrid retriever alone, for comparison
     citations: int = 0
     valid_citations: int = 0
     numbers: int = 0

@@ -64,6 +64,34 @@ def test_absent_topic_says_no_evidence_and_cites_nothing(history):
     assert a.text == NO_EVIDENCE and a.citations == []
 
 
+@pytest.mark.parametrize("question", [
+    "How did the Lion optimizer compare with AdamW?",        # a name no record uses
+    "What was the MMLU score of the best base run?",
+    "What val loss did the 13B model reach?",               # a size no run has
+    "What was the validation loss of run gpt-13b-final?",   # an id no run has
+    "Why did run small-lr9e-9 diverge?",                    # not some other diverged run's story
+    "Why was the speech model's word error rate so high?",  # a topic no record touches
+])
+def test_questions_about_what_the_store_never_saw_abstain(history, question):
+    a = history.ask(question)
+    assert a.text.startswith(NO_EVIDENCE) and a.citations == [], a.text
+
+
+def test_a_failure_explanation_cites_the_postmortem_that_names_the_run(history):
+    a = history.ask("Why did small-lr0.003 diverge?")
+    notes = [c for c in a.citations if c.kind == "note"]
+    assert notes and all(_exists(history, c) for c in notes)
+    assert "small-lr0.003" in notes[0].quote
+    a = history.ask("At what step did small-lr0.003 diverge?")
+    assert "1200" in a.text and {"run", "failure"} <= {c.kind for c in a.citations}
+
+
+def test_the_answer_says_what_it_read(history):
+    a = history.ask("Which learning rate gave the lowest val loss for the 125M runs?")
+    assert a.retrieved[0] == f"run:{a.citations[0].id}"
+    assert {f"run:{r['run_id']}" for r in a.rows} <= set(a.retrieved)
+
+
 def test_every_citation_exists_and_every_number_is_in_a_cited_record(history):
     from agents.corpus import record_values
     from agents.verify import values_of

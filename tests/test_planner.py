@@ -189,6 +189,27 @@ def test_best_config_at_350m(history):
     assert "optimizer.learning_rate=0.0003" in a.text and "scheduler.warmup_steps=2000" in a.text
 
 
+def test_config_values_named_by_themselves_filter_and_group(history):
+    """A value some config key holds ("rmsnorm") is a filter on that key; values of one key joined
+    by vs/and are the groups of a mean."""
+    a = ask(history, "How many runs used rmsnorm?")
+    assert a.rows[0]["runs"] == 1 and ids(a) == [r.id for r in history.runs(where="name = 'norm-rmsnorm'")]
+    a = ask(history, "What's the mean val loss of rmsnorm vs layernorm runs?")
+    assert {row["config.model.norm"]: row["mean"] for row in a.rows} == {"rmsnorm": 3.391, "layernorm": 3.402}
+    assert "config.model.norm" in a.sql and "'rmsnorm'" in a.sql
+    a = ask(history, "Compare the average val loss of the rmsnorm and layernorm variants.")
+    assert {row["config.model.norm"] for row in a.rows} == {"rmsnorm", "layernorm"}
+
+
+def test_counted_steps_and_listed_quantities(history):
+    a = ask(history, "Lowest val loss at 125M with a 2000-step warmup?")
+    best = min((r for r in at("125M") if loss_of(r) is not None and "-w2000" in r.get("id", "")), key=loss_of)
+    assert ids(a)[0] == best["id"] and "warmup_steps 2000" in a.text
+    a = ask(history, "Best lr/warmup/batch setup for 350M models?")
+    assert a.plan.shape == "best_config"
+    assert ids(a) == [min((r for r in at("350M") if loss_of(r) is not None), key=loss_of)["id"]]
+
+
 def test_which_learning_rates_diverged(history):
     a = ask(history, "Which learning rates diverged at 125M?")
     assert {row["hparams.lr"] for row in a.rows} == {3e-3}
