@@ -370,6 +370,38 @@ class KnowledgeBase:
         from kb.mixture import fit_mixture
         return fit_mixture(self, project, metric=metric, where=where, **options)
 
+    # ---- hypotheses and reports ------------------------------------------------------------------
+
+    def propose(self, goal: str = "", n: int = 3, project: str | None = None, **options) -> list[dict]:
+        """New hypotheses grounded in the runs (agents.propose), stored as `proposed`: SPEC's
+        Hypothesis dicts plus project, source, plan and decision. `options`: metric, budget_runs,
+        budget_flops."""
+        from agents.propose import propose
+        return propose(self, goal=goal, n=n, project=project, **options)
+
+    def hypotheses(self, status: str | None = None, project: str | None = None) -> list[dict]:
+        from kb.hypotheses import listed
+        return listed(self.engine, status=status, project=project)
+
+    def hypothesis(self, ref: str) -> dict:
+        from kb.hypotheses import get
+        return get(self.engine, ref)
+
+    def approve(self, ref: str, by: str, reason: str = "") -> dict:
+        from kb.hypotheses import decide
+        return decide(self.engine, ref, "approved", by, reason)
+
+    def reject(self, ref: str, by: str, reason: str = "") -> dict:
+        from kb.hypotheses import decide
+        return decide(self.engine, ref, "rejected", by, reason)
+
+    def report(self, ref: str | None = None, where: str | None = None, out: str = "reports",
+               html: bool = False, metric: str | None = None):
+        """A cited experiment report on an ablation, a hypothesis or the runs `where` selects,
+        written under `out` (kb.reports.Report: .markdown path, .html path, .cited ids, .verdicts)."""
+        from kb.reports import write_report
+        return write_report(self, ref=ref, where=where, out=out, html=html, metric=metric)
+
 
 def open_kb(kb: KnowledgeBase | Settings | None = None) -> KnowledgeBase:
     """A KnowledgeBase from None (KB_* settings), a Settings, or an open KnowledgeBase.

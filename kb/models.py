@@ -222,6 +222,17 @@ class Hypothesis(SQLModel, table=True):
     status: str = Field(default="proposed", index=True)
     result: dict | None = Field(default=None, sa_column=json_col(nullable=True))
     created_at: datetime = Field(default_factory=utcnow)
+    # what the proposer and the human gate add (migration 0008); NULL on older rows
+    project: str | None = Field(default=None, index=True)
+    source: str | None = None                 # surrogate | ablation | pattern | mixture | llm
+    goal: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    plan: dict | None = Field(default=None, sa_column=json_col(nullable=True))   # scales, seeds, steps
+    # the resolved config (baseline + change, seeds aside) as kb.hypotheses.config_key names it:
+    # a configuration proposed once is never proposed again
+    config_hash: str | None = Field(default=None, index=True)
+    decided_by: str | None = None
+    decided_at: datetime | None = None
+    decision_reason: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
 
 
 class Job(SQLModel, table=True):
