@@ -5,10 +5,12 @@ Checks (`problems`): the baseline run exists; each change key is a key of the ba
 or an option the runner accepts (runner.options), and sets a new, finite value; every evidence id
 names a run or ablation in the store; the predicted effect is finite, with an interval around it.
 
-Risks (`risks`): a change that raises the learning rate, batch size or sequence length is read
-against the runs that diverged (lr) or ran out of memory (batch, sequence) in the same project,
-or at a larger scale anywhere: a failing value at most RISK_FACTOR times the proposed one is a
-risk, cited by run id. The stability edge moves with scale, batch size and warmup by about that
+Risks (`risks`): the runs that diverged or ran out of memory in the same project, or at a larger
+scale anywhere, are read against the change. One that failed with a value the change sets (a
+norm, an optimizer: any value that is not a number) is a risk. A change that raises the learning
+rate, batch size or sequence length is read against the runs that diverged (lr) or ran out of
+memory (batch, sequence): a failing value at most RISK_FACTOR times the proposed one is a risk.
+Each is cited by run id. The stability edge moves with scale, batch size and warmup by about that
 factor (muP-style width scaling shifts the best lr by the width ratio), so a rate 4x below one
 that diverged is not yet safe.
 
@@ -99,6 +101,12 @@ def risks(c: Candidate, history: History, resolved: dict) -> list[str]:
     before = {k: v for k, (_, v) in canonical_hparams(base.config).items()}
     after = {k: v for k, (_, v) in canonical_hparams(resolved).items()}
     scale = history.scale_of(c.baseline) or 0.0
+    paths = {}
+    for key, value in c.change.items():
+        try:
+            paths[key] = (split_key(key), value)
+        except InvalidRecord:
+            continue
     out = []
     for run in history.runs:
         kind = history.failed(run.id)
@@ -107,6 +115,9 @@ def risks(c: Candidate, history: History, resolved: dict) -> list[str]:
         their_scale = history.scale_of(run.id)
         if run.project != c.project and not (their_scale and their_scale > scale):
             continue
+        for key, (path, value) in paths.items():
+            if not _finite(value) and lookup(run.config, path) == (True, value):
+                out.append(_same_value_text(run, kind, key, value, history))
         theirs = {k: v for k, (_, v) in canonical_hparams(run.config).items()}
         for key in RISKY_KEYS.get(kind, ()):
             new, old, bad = after.get(key), before.get(key), theirs.get(key)
@@ -117,12 +128,21 @@ def risks(c: Candidate, history: History, resolved: dict) -> list[str]:
     return out
 
 
-def _risk_text(run, kind: str, key: str, new: float, bad: float, history: History) -> str:
+def _failure_words(run, kind: str, history: History) -> tuple[str, str, str]:
     what = "diverged" if kind == "diverged" else "ran out of memory"
     where = f"project {run.project}" + (f", {s:.3g} params" if (s := history.scale_of(run.id)) else "")
     step = next((f["step"] for f in history.failures.get(run.id, ()) if f["kind"] == kind and f["step"] is not None),
                 None)
-    at = f" at step {step}" if step is not None else ""
+    return what, where, f" at step {step}" if step is not None else ""
+
+
+def _same_value_text(run, kind: str, key: str, value, history: History) -> str:
+    what, where, at = _failure_words(run, kind, history)
+    return f"{key} {value!r}: {run.id} {what}{at} with the same {key} ({where}) [{run.id}]"
+
+
+def _risk_text(run, kind: str, key: str, new: float, bad: float, history: History) -> str:
+    what, where, at = _failure_words(run, kind, history)
     relation = "at or below" if bad <= new else f"within {RISK_FACTOR:g}x of"
     return (f"{key} {new:g}: {run.id} {what}{at} with {key} {bad:g} ({where}), {relation} the proposed value "
             f"[{run.id}]")

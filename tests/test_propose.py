@@ -182,7 +182,8 @@ def test_checks_name_what_is_wrong(kb):
 
 def norm_history(rng: random.Random) -> list[dict]:
     """Project A ablated the norm at 1e7 params (rmsnorm clearly better, 3 seeds each) and ran
-    layernorm only at 1e8; project B runs layernorm only."""
+    layernorm only at 1e8, but for one rmsnorm run at a high rate that diverged; project B runs
+    layernorm only."""
     def run(rid, project, norm, seed, gain, params, layers=4):
         final = 3.2 - gain + rng.gauss(0, NOISE)
         return {"id": rid, "project": project, "scale": {"params": params},
@@ -192,6 +193,10 @@ def norm_history(rng: random.Random) -> list[dict]:
            for n in ("layernorm", "rmsnorm") for s in range(3)]
     out += [run(f"a-big-s{s}", "A", "layernorm", s, 0.3, 100_000_000, layers=12) for s in range(2)]
     out += [run(f"b-s{s}", "B", "layernorm", s, 0.1, 10_000_000) for s in range(2)]
+    out.append({"id": "a-big-rms-lr3e-3", "project": "A", "scale": {"params": 100_000_000}, "status": "diverged",
+                "config": {"model": {"n_layer": 12, "norm": "rmsnorm"}, "optim": {"lr": 3e-3}, "seed": 0},
+                "metrics": {"val/loss": [[0, 9.0], [200, "NaN"]]},
+                "failure": {"kind": "diverged", "step": 200, "message": "loss is NaN"}})
     return out
 
 
@@ -207,6 +212,8 @@ def test_a_clear_ablation_is_proposed_where_it_was_never_tried(kb):
         assert ablation["id"] in h["evidence"] and h["baseline_run"] in h["evidence"]
         low, high = h["predicted"]["interval"]
         assert low < h["predicted"]["delta"] < high < 0          # the measured gain, as measured
+        # rmsnorm diverged at a larger scale (1e8, project A): a risk for both, cited
+        assert [r for r in h["risks"] if "[a-big-rms-lr3e-3]" in r and "model.norm 'rmsnorm'" in r], h["risks"]
     # proposing again finds nothing new: both targets are held by hypotheses now
     with pytest.raises(InsufficientData, match="nothing new"):
         kb.propose(n=4)
