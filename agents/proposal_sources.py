@@ -232,6 +232,7 @@ SCHEMA = {
                        "delta": {"type": "number"}, "low": {"type": "number"}, "high": {"type": "number"}}}}},
 }
 DIGEST_RUNS = 8         # best finished runs per project shown to the LLM
+DIGEST_LINES = 40       # failed runs, and ablations, shown at most
 
 
 def llm_is_capable(settings) -> bool:
@@ -282,15 +283,16 @@ def _digest(kb, history: History, project: str | None) -> str:
             hp = {k: v for k, (_, v) in canonical_hparams(r.config).items()}
             lines.append(f"run {r.id} project={proj} params={r.scale.get('params')} {history.metric}="
                          f"{history.value(r.id):.4g} config={json.dumps(r.config, sort_keys=True)[:400]} hparams={hp}")
-        for r in runs:
-            if kind := history.failed(r.id):
-                hp = {k: v for k, (_, v) in canonical_hparams(r.config).items()}
-                lines.append(f"run {r.id} project={proj} FAILED {kind} hparams={hp}")
+    failed = [r for proj in sorted(by_project) for r in by_project[proj] if history.failed(r.id)]
+    for r in failed[:DIGEST_LINES]:
+        hp = {k: v for k, (_, v) in canonical_hparams(r.config).items()}
+        lines.append(f"run {r.id} project={r.project} FAILED {history.failed(r.id)} hparams={hp}")
+    stmt = select(Ablation.id, Ablation.project, Ablation.factor, Ablation.variants).order_by(Ablation.id)
+    if project:
+        stmt = stmt.where(Ablation.project == project)
     with kb.engine.connect() as conn:
-        rows = conn.execute(select(Ablation.id, Ablation.project, Ablation.factor, Ablation.variants)).all()
+        rows = conn.execute(stmt.limit(DIGEST_LINES)).all()
     for aid, proj, factor, variants in rows:
-        if project and proj != project:
-            continue
         shown = "; ".join(f"{_show(v['value'])}: delta {v['delta']:+.4g}" for v in variants
                           if v.get("delta") is not None and not v["baseline"])
         lines.append(f"ablation {aid} project={proj} factor={factor} {shown}")

@@ -11,7 +11,9 @@ Stages:
                    finite prediction with its interval (agents/proposal_checks.py)
     4. dedupe      the resolved config (baseline + change, seeds aside) must be new to the store:
                    no run and no hypothesis holds it (kb.hypotheses.held_by), nor an earlier pick
-    5. risks, plan failures the change moves towards, cited; seeds, scales and steps to a budget
+    5. risks, plan failures the change moves towards, cited; seeds (enough for the predicted
+                   effect against seed noise) at the baseline's scale and the project's next
+                   larger one, and steps, cut to the budget
     6. store       the picks, best predicted gain first within each source, sources taking turns
 """
 from __future__ import annotations
@@ -64,6 +66,8 @@ def propose(kb, goal: str = "", n: int = 3, project: str | None = None, metric: 
         picked.add((c.project, key))
         if c.noise_sd is None:
             c.noise_sd = _seed_sd(kb, c.project, history.metric)
+        if not c.scales:
+            c.scales = _next_scale(history, c)
         rows.append(_row(c, history, goal, key, resolved, budget_runs, budget_flops))
     if not rows:
         why = ", ".join(f"{k}: {v}" for k, v in dropped.items()) or "no source had a candidate"
@@ -80,6 +84,15 @@ def _seed_sd(kb, project: str, metric: str) -> float | None:
         return seed_noise(kb, project, metric).sd
     except InsufficientData:
         return None
+
+
+def _next_scale(history: History, c: Candidate) -> list[float]:
+    """The project's next larger scale, where the plan checks that the gain transfers (the plan
+    drops it first when the budget is short)."""
+    here = history.scale_of(c.baseline)
+    larger = sorted({s for r in history.runs if r.project == c.project and (s := history.scale_of(r.id))
+                     and here and s > here})
+    return larger[:1]
 
 
 def _check_arguments(n, budget_runs, budget_flops) -> None:

@@ -177,6 +177,16 @@ def test_checks_name_what_is_wrong(kb):
                     {"metric": "val/loss", "delta": -0.05, "interval": [-0.1, 0.0]}, noise_sd=0.005)
     assert plan(big, history)["seeds"] == 2 and plan(small, history, budget_runs=4)["seeds"] == 4
     assert plan(small, history)["steps"] == 1000
+    big.scales = [1e8]           # a larger scale to check the transfer at: dropped first when short
+    assert [s["params"] for s in plan(big, history)["scales"]] == [1e7, 1e8] and plan(big, history)["runs"] == 4
+    short = plan(big, history, budget_runs=3)
+    assert [s["params"] for s in short["scales"]] == [1e7] and short["runs"] == 2 and short["fits_budget"]
+    assert plan(big, history, budget_runs=2, budget_flops=1.0)["fits_budget"] is True     # no FLOPs known here
+    history.by_id["lr0.0004-s0"].scale["flops"] = 1e15       # a run's compute; 10x params costs 100x
+    assert plan(big, history)["flops"] == pytest.approx(2 * 1e15 + 2 * 1e17)
+    cut = plan(big, history, budget_flops=2.5e15)
+    assert len(cut["scales"]) == 1 and cut["flops"] == pytest.approx(2e15) and cut["fits_budget"]
+    assert plan(big, history, budget_flops=1e15)["fits_budget"] is False
     assert goal_metric("raise eval accuracy") == "val/accuracy" and goal_metric("lower loss") == "val/loss"
 
 
