@@ -347,6 +347,23 @@ class KnowledgeBase:
             self._retriever_obj = Retriever(self)
         return self._retriever_obj
 
+    # ---- scaling laws --------------------------------------------------------------------------
+
+    def scaling_fit(self, y: str, form: str = "chinchilla", where: str | None = None, x: str | None = None,
+                    bootstrap: int = 200, seed: int = 0):
+        """A scaling law fitted over the runs `where` selects: a kb.scaling.ScalingFit with .params
+        (bootstrap intervals), .predict(N=, D=) or .predict(X=), .compute_optimal(C), .to_json()."""
+        from kb.scaling_points import fit_runs
+        return fit_runs(self.runs(where=where), y, form, x, draws=bootstrap, seed=seed, where=where)
+
+    def scaling_predict(self, y: str, form: str = "chinchilla", where: str | None = None, x: str | None = None,
+                        params: float | None = None, tokens: float | None = None, compute: float | None = None,
+                        bootstrap: int = 200, seed: int = 0) -> dict:
+        """`kb scaling predict --json`: the loss at (params, tokens), or the compute-optimal point for
+        `compute`, each with its interval."""
+        from kb.scaling import prediction
+        return prediction(self.scaling_fit(y, form, where, x, bootstrap, seed), params, tokens, compute)
+
 
     # ---- verdicts and mixtures -----------------------------------------------------------------
 
