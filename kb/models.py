@@ -246,6 +246,17 @@ class Job(SQLModel, table=True):
     spec: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
+    # the lease (runner.queue, migration 0009): who holds a running job and until when; a lease
+    # not renewed in time puts the job back in the queue, to resume from its workdir's checkpoint
+    worker: str | None = None                  # the holder's token: worker id and attempt
+    lease_until: datetime | None = None
+    heartbeat_at: datetime | None = None
+    max_attempts: int = 3
+    cancel_requested: bool = False             # a running job stops at its next check
+    workdir: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    progress: dict | None = Field(default=None, sa_column=json_col(nullable=True))   # step, metrics at the last eval
 
 
 class IndexPending(SQLModel, table=True):
