@@ -13,9 +13,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from kb.cards import ablation_card, failure_card
-from kb.indexer import note_text
 from kb.models import Ablation, Failure, Note, Run
+from kb.record_texts import RecordText, ablation_texts, failure_texts, note_texts, run_texts
 
 KINDS = ("run", "note", "ablation", "failure")
 
@@ -57,41 +56,24 @@ def chunks_by_key(engine: Engine, keys: Iterable[str]) -> dict[str, Chunk]:
     return out
 
 
+def _chunk(r: RecordText) -> Chunk:
+    return Chunk(r.kind, r.id, r.text, r.project, r.status, r.run_id)
+
+
 def _runs(s: Session, ids: list[str] | None) -> Iterator[Chunk]:
-    q = select(Run.id, Run.card, Run.project, Run.status)
-    for rid, card, project, status in s.execute(q if ids is None else q.where(Run.id.in_(ids))):
-        yield Chunk("run", rid, card, project, status, rid)
+    return map(_chunk, run_texts(s, ids))
 
 
 def _notes(s: Session, ids: list[str] | None) -> Iterator[Chunk]:
-    q = select(Note)
-    for row in s.execute(q if ids is None else q.where(Note.id.in_(ids))).scalars():
-        yield Chunk("note", row.id, note_text(row), row.project)
+    return map(_chunk, note_texts(s, ids))
 
 
 def _ablations(s: Session, ids: list[str] | None) -> Iterator[Chunk]:
-    q = select(Ablation)
-    rows = list(s.execute(q if ids is None else q.where(Ablation.id.in_(ids))).scalars())
-    run_ids = {v.get("run") for a in rows for v in (a.variants or []) if v.get("run")}
-    labels = dict(s.execute(select(Run.id, Run.name).where(Run.id.in_(run_ids))).all()) if run_ids else {}
-    for a in rows:
-        text = ablation_card({"id": a.id, "project": a.project, "factor": a.factor, "metric": a.metric,
-                              "variants": a.variants, "effect": a.effect},
-                             {k: v for k, v in labels.items() if v})
-        yield Chunk("ablation", a.id, text, a.project, None, a.baseline_run)
+    return map(_chunk, ablation_texts(s, ids))
 
 
 def _failures(s: Session, ids: list[str] | None) -> Iterator[Chunk]:
-    q = select(Failure, Run.id, Run.name, Run.project, Run.status, Run.config).join(Run, Run.id == Failure.run_id)
-    if ids is not None:
-        numeric = [int(i) for i in ids if i.isdigit()]
-        if not numeric:
-            return
-        q = q.where(Failure.id.in_(numeric))
-    for f, rid, name, project, status, config in s.execute(q):
-        text = failure_card({"kind": f.kind, "step": f.step, "message": f.message, "evidence": f.evidence},
-                            {"id": rid, "name": name, "project": project, "config": config})
-        yield Chunk("failure", str(f.id), text, project, status, rid)
+    return map(_chunk, failure_texts(s, ids))
 
 
 def record_values(engine: Engine, keys: Iterable[str]) -> dict[str, list]:

@@ -27,6 +27,7 @@ from sqlalchemy.engine import Connection, Engine
 from kb.ablations import (TAG, Config, bucket_ablations, covered_by, find_ablations, group_runs, name_of,
                           run_fields, signed, tag_ablation, tagged_factors)
 from kb.fields import FIELD_COLUMNS, canonical, field_tuples
+from kb.indexer import queue_refs
 from kb.models import Ablation, AblationPending, AblationRun, AblationSig, Run, RunField
 from kb.query_sql import codepoint
 
@@ -290,6 +291,7 @@ def _replace(conn: Connection, old: set[str], new: list[dict], touched: set[str]
     """Old ablations out, new in, and the `ablations.*` fields of every run either holds (and of
     `touched`) written again from all the ablations it is in now."""
     members = set(touched)
+    queue_refs(conn, "ablation", sorted(old | {a["id"] for a in new}))     # their points follow
     for chunk in _chunks(sorted(old)):
         members.update(conn.execute(select(_MEMBER.c.run_id).where(_MEMBER.c.ablation_id.in_(chunk))).scalars())
         conn.execute(delete(_MEMBER).where(_MEMBER.c.ablation_id.in_(chunk)))

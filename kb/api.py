@@ -308,14 +308,15 @@ class KnowledgeBase:
         indexer.queue_everything(self.engine)
         return indexer.sync(self.engine, index, _LazyEmbedder(self), reconcile=False, progress=progress)
 
-    def search(self, text: str, limit: int = 10, where: str | None = None, kind: str | None = None,
+    def search(self, text: str, limit: int = 10, where: str | None = None, kind: str | list[str] | None = None,
                project: str | None = None) -> list:
-        """Nearest run cards and notes to `text`. `where` is a run query (`status = 'diverged'
-        and val/loss < 3.5`): hits are then runs that match it, ranked by similarity."""
-        filters: dict = {k: v for k, v in (("kind", kind), ("project", project)) if v}
+        """Nearest run cards and notes to `text` (or the records of `kind`: run, note, failure,
+        ablation, or a list of them). `where` is a run query (`status = 'diverged' and val/loss
+        < 3.5`): hits are then runs that match it, ranked by similarity."""
+        filters: dict = {k: v for k, v in (("kind", kind or ["note", "run"]), ("project", project)) if v}
         if where:
             from kb.query_sql import compile_where
-            if filters.get("kind", "run") != "run":
+            if kind and kind != "run" and "run" not in kind:
                 return []
             with Session(self.engine) as s:
                 ids = list(s.execute(select(Run.id).where(compile_where(where))).scalars())

@@ -18,10 +18,12 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from kb.cards import card_hash
-from kb.models import IndexPending, Note, Run, utcnow
+from kb.models import Ablation, Failure, IndexPending, Note, Run, utcnow
+from kb.record_texts import ablation_texts, failure_texts, note_text, note_texts, run_texts  # noqa: F401 - note_text re-exported
 
 log = logging.getLogger(__name__)
 BATCH = 128
+INDEXED = (Run, Note, Ablation, Failure)      # each row one point
 
 
 @dataclass
@@ -34,8 +36,14 @@ class SyncReport:
 def queue_index(session: Session, kind: str, ref_id: str) -> None:
     """Mark a record for (re)indexing, in the writer's own transaction: the run and its queue
     entry commit together, so a crash can never leave a stored run that nobody will index."""
-    conn = session.connection()
-    conn.execute(_upsert_pending(conn.dialect.name), {"kind": kind, "ref_id": ref_id, "queued_at": utcnow()})
+    queue_refs(session.connection(), kind, [ref_id])
+
+
+def queue_refs(conn, kind: str, ref_ids) -> None:
+    """`queue_index` for many records of one kind, on a Connection (the ablation refresh's)."""
+    rows = [{"kind": kind, "ref_id": str(r), "queued_at": utcnow()} for r in ref_ids]
+    if rows:
+        conn.execute(_upsert_pending(conn.dialect.name), rows)
 
 
 @lru_cache(maxsize=None)
@@ -90,18 +98,25 @@ def sync(engine: Engine, index, embedder, *, reconcile: bool = True,
 
 
 def _documents(s: Session, batch) -> dict[tuple[str, str], dict]:
-    out = {}
-    run_ids = [r for k, r in batch if k == "run"]
-    note_ids = [r for k, r in batch if k == "note"]
-    if run_ids:
-        for row in s.execute(select(Run).where(Run.id.in_(run_ids))).scalars():
-            out[("run", row.id)] = {"text": row.card, "payload": payload(
-                "run", row.id, row.project, row.name, row.card, status=row.status)}
-    if note_ids:
-        for row in s.execute(select(Note).where(Note.id.in_(note_ids))).scalars():
-            text = note_text(row)
-            out[("note", row.id)] = {"text": text, "payload": payload("note", row.id, row.project, row.title, text)}
-    return out
+    """What each queued record embeds, for those that still exist. A run brings its failures
+    along (they are written with it, and their ids are new each time it is); a failure queued
+    on its own is one whose run was rewritten, so its point goes unless it still exists."""
+    wanted: dict[str, list[str]] = {}
+    for kind, ref in batch:
+        wanted.setdefault(kind, []).append(ref)
+    records = []
+    if wanted.get("run"):
+        records += run_texts(s, wanted["run"])
+        records += failure_texts(s, run_ids=wanted["run"])
+    if wanted.get("note"):
+        records += note_texts(s, wanted["note"])
+    if wanted.get("ablation"):
+        records += ablation_texts(s, wanted["ablation"])
+    if wanted.get("failure"):
+        records += failure_texts(s, wanted["failure"])
+    return {(r.kind, r.id): {"text": r.text, "payload": payload(r.kind, r.id, r.project, r.label, r.text,
+                                                                  status=r.status)}
+            for r in records}
 
 
 def payload(kind: str, ref_id: str, project: str, label: str, text: str, status: str | None = None) -> dict:
@@ -113,15 +128,10 @@ def payload(kind: str, ref_id: str, project: str, label: str, text: str, status:
     return out
 
 
-def note_text(row: Note) -> str:
-    return f"{row.title}\n{row.text}" if row.title else row.text
-
-
 def _reconcile(engine: Engine, index) -> tuple[int, int]:
     """Queue whatever SQL holds that the index lacks or holds stale; drop what SQL no longer has."""
     with Session(engine) as s:
-        n_sql = (s.execute(select(func.count()).select_from(Run)).scalar_one()
-                 + s.execute(select(func.count()).select_from(Note)).scalar_one())
+        n_sql = sum(s.execute(select(func.count()).select_from(model)).scalar_one() for model in INDEXED)
         n_pending = s.execute(select(func.count()).select_from(IndexPending)).scalar_one()
     if index.count() == n_sql and n_pending == 0:
         return 0, 0          # the common case: nothing to compare, reopen stays fast
@@ -146,13 +156,9 @@ def _reconcile(engine: Engine, index) -> tuple[int, int]:
 def expected_fingerprints(engine: Engine) -> dict[str, str]:
     """point id -> card hash of everything SQL holds: what an index in step with it returns from
     `fingerprints()`."""
-    want: dict[str, str] = {}
     with Session(engine) as s:
-        for rid, card in s.execute(select(Run.id, Run.card)):
-            want[point_id("run", rid)] = card_hash(card)
-        for row in s.execute(select(Note)).scalars():
-            want[point_id("note", row.id)] = card_hash(note_text(row))
-    return want
+        return {point_id(r.kind, r.id): card_hash(r.text)
+                for texts in (run_texts, note_texts, ablation_texts, failure_texts) for r in texts(s)}
 
 
 def queue_everything(engine: Engine) -> int:
@@ -160,7 +166,8 @@ def queue_everything(engine: Engine) -> int:
     cols = ["kind", "ref_id", "queued_at"]
     with Session(engine) as s, s.begin():
         s.execute(delete(IndexPending))
-        for kind, model in (("run", Run), ("note", Note)):
+        # a run's entry brings its failures (see _documents): runs, notes and ablations suffice
+        for kind, model in (("run", Run), ("note", Note), ("ablation", Ablation)):
             s.execute(insert(IndexPending).from_select(
                 cols, select(literal(kind), model.id, literal(now, type_=DateTime))))
         return s.execute(select(func.count()).select_from(IndexPending)).scalar_one()

@@ -19,7 +19,7 @@ from kb import curves, vocab
 from kb.ablation_store import ABLATION_FIELDS, queue_run
 from kb.cards import run_card
 from kb.fields import FIELD_COLUMNS, field_tuples
-from kb.indexer import queue_index
+from kb.indexer import queue_index, queue_refs
 from kb.models import (NULL_VALUE, NULL_WALL, Ablation, Anomaly, Failure, MetricPoint, Run, RunField, RunPublic,
                        utcnow)
 from kb.records import INT64, RunRecord, content_hash, json_safe
@@ -91,6 +91,8 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
     if stored == digest:
         return "unchanged", run_id
     if stored is not None:
+        # its failures get new ids: their old points go (the new ones come with the run's entry)
+        queue_refs(conn, "failure", conn.execute(select(Failure.id).where(Failure.run_id == run_id)).scalars().all())
         for table in (MetricPoint, Failure, Anomaly):
             session.execute(delete(table).where(table.run_id == run_id))
         # its ablations.* fields are the refresh's to rewrite: a writer never locks rows a

@@ -24,6 +24,10 @@ RUNS = [
 ]
 
 
+# every record is a point: the 3 runs, the diverged run's failure, and project p's lr ablation
+POINTS = 5
+
+
 def write(tmp_path, runs=RUNS):
     path = tmp_path / "runs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in runs))
@@ -42,6 +46,21 @@ def test_ingest_indexes_and_search_finds_by_meaning(kb, tmp_path):
     assert top(kb, "NaN loss", project="q") == ["data-mix"]
 
 
+def test_failures_and_ablations_are_points_of_their_own(kb, tmp_path):
+    kb.ingest(write(tmp_path))
+    assert kb.index.count() == POINTS
+    failure = kb.search("the loss went NaN", limit=1, kind="failure")[0].payload
+    assert failure["kind"] == "failure" and failure["project"] == "p" and failure["status"] == "diverged"
+    assert failure["ref_id"] == str(kb.run("lr-3e-3").failures[0]["id"])
+    ablation = kb.search("learning rate varied, val/loss compared", limit=1, kind="ablation")[0].payload
+    assert ablation["ref_id"] == kb.run("lr-3e-4").ablations[0]["id"]
+    # the run rewritten: its failure's new row replaces the old point, no stale one stays
+    changed = [dict(RUNS[0], failure={"kind": "diverged", "step": 900, "message": "grad norm inf"})]
+    kb.ingest(write(tmp_path, changed))
+    from kb.indexer import expected_fingerprints
+    assert kb.index.fingerprints() == expected_fingerprints(kb.engine) and kb.index.count() == POINTS
+
+
 def test_search_within_a_query(kb, tmp_path):
     """`where` intersects the query language with the vector hits: only matching runs come back."""
     kb.ingest(write(tmp_path))
@@ -54,10 +73,10 @@ def test_search_within_a_query(kb, tmp_path):
 def test_deleted_index_folder_is_rebuilt_on_open(settings, tmp_path):
     with KnowledgeBase.open(settings) as k:
         k.ingest(write(tmp_path))
-        assert k.index.count() == 3
+        assert k.index.count() == POINTS
     shutil.rmtree(settings.home / "qdrant")
     with KnowledgeBase.open(settings) as k:
-        assert k.index.count() == 3            # opening the index reconciled it with SQL
+        assert k.index.count() == POINTS       # opening the index reconciled it with SQL
         assert k.pending_index() == 0
         assert top(k, "exploded to NaN")[0] == "lr-3e-3"
 
@@ -65,7 +84,7 @@ def test_deleted_index_folder_is_rebuilt_on_open(settings, tmp_path):
 def test_reindex_rebuilds_from_sql(kb, tmp_path):
     kb.ingest(write(tmp_path))
     report = kb.reindex()
-    assert report.indexed == 3 and kb.index.count() == 3
+    assert report.indexed == POINTS and kb.index.count() == POINTS
     assert top(kb, "smooth stable baseline")[0] == "lr-3e-4"
 
 
@@ -73,7 +92,7 @@ def test_changed_run_updates_its_vector(kb, tmp_path):
     kb.ingest(write(tmp_path))
     changed = [dict(RUNS[2], notes="tokenizer bug: loss exploded to NaN at step 10")]
     report = kb.ingest(write(tmp_path, changed))
-    assert report.updated == 1 and kb.index.count() == 3
+    assert report.updated == 1 and kb.index.count() == POINTS
     assert set(top(kb, "tokenizer bug")[:1]) == {"data-mix"}
 
 
@@ -95,12 +114,12 @@ def test_writers_work_while_another_process_holds_the_index(settings, tmp_path):
         assert holder.stdout.readline().strip() == "held"
         with KnowledgeBase.open(settings) as k:
             report = k.ingest(write(tmp_path))
-            assert report.added == 3 and report.pending_index == 3
+            assert report.added == 3 and report.pending_index == 4     # the runs and the ablation
             assert len(k.runs()) == 3
     finally:
         holder.communicate("\n", timeout=60)
     with KnowledgeBase.open(settings) as k:       # the next holder indexes what is pending
-        assert k.index.count() == 3 and k.pending_index() == 0
+        assert k.index.count() == POINTS and k.pending_index() == 0
 
 
 def test_cli_ingest_of_unchanged_runs_restores_a_deleted_index(settings, tmp_path):
@@ -113,7 +132,7 @@ def test_cli_ingest_of_unchanged_runs_restores_a_deleted_index(settings, tmp_pat
     out = subprocess.run([kb_bin, "ingest", path, "--json"], env=env, check=True, capture_output=True, text=True)
     assert json.loads(out.stdout)["unchanged"] == 3
     with KnowledgeBase.open(settings) as k:
-        assert k.pending_index() == 0 and k._open_index().count() == 3
+        assert k.pending_index() == 0 and k._open_index().count() == POINTS
 
 
 # ---- a damaged index (finding 9), readers beside a holder (finding 15) --------------------------
@@ -149,7 +168,7 @@ def test_damaged_index_fails_cleanly_ingest_still_commits_and_reindex_rebuilds(s
     its runs and leaves them queued for indexing, and reindex rebuilds the index from SQL."""
     with KnowledgeBase.open(settings) as k:
         k.ingest(write(tmp_path))
-        assert k.index.count() == 3
+        assert k.index.count() == POINTS
     DAMAGE[damage](settings.qdrant_path / settings.collection)
     late = [{"id": "late", "project": "p", "name": "late run", "config": {"optim": {"lr": 1e-3}},
              "notes": "tokenizer bug made the loss explode"}]
@@ -158,8 +177,9 @@ def test_damaged_index_fails_cleanly_ingest_still_commits_and_reindex_rebuilds(s
             k.search("exploded to NaN")
         report = k.ingest(write(tmp_path, late))
         assert report.added == 1 and k.run("late").id == "late"
-        assert k.pending_index() == 1                 # stale, and the run waits in SQL for an index
-        assert k.reindex().indexed == 4
+        assert k.pending_index() == 3     # stale: the run and the ablation it joined (old id out, new in) wait
+        from kb.indexer import expected_fingerprints
+        assert k.reindex().indexed == len(expected_fingerprints(k.engine)) == POINTS + 1
         assert_index_equals_sql(k)
         assert top(k, "tokenizer bug")[0] == "late" and k.pending_index() == 0
 
@@ -219,7 +239,8 @@ def test_search_works_while_another_process_holds_the_index(settings, tmp_path, 
             with pytest.raises(IndexBusy):
                 k.index                                     # the folder itself stays the holder's
             report = k.ingest(write(tmp_path, [dict(RUNS[0], id="new-run", notes="a brand new run")]))
-            assert report.added == 1 and report.pending_index == 1       # queued for the holder
+            # queued for the holder: the run, and the ablation it joined (old id out, new in)
+            assert report.added == 1 and report.pending_index == 3
             assert top(k, "data mixture with more code", project="q") == ["data-mix"]
     finally:
         holder.communicate("\n", timeout=120)

@@ -170,7 +170,8 @@ def test_damaged_index_cli(env, tmp_path, runs_file):
     assert proc.returncode == 0 and len(lines) == 1 and lines[0].startswith("warning: ") and "kb reindex" in lines[0]
     assert json.loads(kb_cli(env, "show", "late", "--json").stdout)["id"] == "late"
     proc = kb_cli(env, "reindex", "--json")
-    assert proc.returncode == 0 and json.loads(proc.stdout) == {"indexed": 3}, proc.stderr
+    # the 3 runs, the diverged run's failure, and the lr ablation the late run joined
+    assert proc.returncode == 0 and json.loads(proc.stdout) == {"indexed": 5}, proc.stderr
     hits = json.loads(kb_cli(env, "search", "tokenizer bug", "--json").stdout)
     assert hits[0]["id"] == "late" and len(hits) == 3
 

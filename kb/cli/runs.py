@@ -135,13 +135,14 @@ def reindex(obj, as_json):
 @click.command()
 @click.argument("text")
 @click.option("--limit", type=click.IntRange(min=1), default=5, show_default=True)
-@click.option("--kind", type=click.Choice(["run", "note"]), help="Only runs or only notes.")
+@click.option("--kind", type=click.Choice(["run", "note", "failure", "ablation"]),
+              help="Only records of this kind (default: runs and notes).")
 @click.option("--project")
 @click.option("--where", "where", help="Only runs matching this query, e.g. \"status = 'diverged'\".")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
 def search(obj, text, limit, kind, project, where, as_json):
-    """Semantic search over run cards and notes."""
+    """Semantic search over run cards and notes (failures and ablations with --kind)."""
     _check_query(where, None)
     hits = obj.kb().search(text, limit=limit, where=where, kind=kind, project=project)
     if as_json:

@@ -1,0 +1,76 @@
+"""The text of each indexed record, read from SQL: what the vector index embeds and what the
+agent's keyword index and citations read (agents.corpus), so both see the same words.
+
+Runs carry their card (kb.cards.run_card, written with the run); notes are their title and text;
+ablations and failures are written out here from their rows (kb.cards), a failure with its run's
+name and hyperparameters so that "the 350M run at lr 3e-3 that diverged" finds it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from sqlalchemy import select
+from sqlmodel import Session
+
+from kb.cards import ablation_card, failure_card
+from kb.models import Ablation, Failure, Note, Run
+
+
+@dataclass(frozen=True)
+class RecordText:
+    kind: str                  # run | note | ablation | failure
+    id: str                    # the record's id (a failure's integer id as text)
+    text: str
+    project: str
+    label: str = ""            # a name to show
+    status: str | None = None  # a run's status, and a failure's run's
+    run_id: str | None = None  # a failure's run; an ablation's baseline run; a run's own id
+
+
+def note_text(row: Note) -> str:
+    return f"{row.title}\n{row.text}" if row.title else row.text
+
+
+def run_texts(s: Session, ids: Iterable[str] | None = None) -> Iterator[RecordText]:
+    q = select(Run.id, Run.card, Run.project, Run.status, Run.name)
+    for rid, card, project, status, name in s.execute(q if ids is None else q.where(Run.id.in_(list(ids)))):
+        yield RecordText("run", rid, card, project, name or rid, status, rid)
+
+
+def note_texts(s: Session, ids: Iterable[str] | None = None) -> Iterator[RecordText]:
+    q = select(Note)
+    for row in s.execute(q if ids is None else q.where(Note.id.in_(list(ids)))).scalars():
+        yield RecordText("note", row.id, note_text(row), row.project, row.title or row.id)
+
+
+def ablation_texts(s: Session, ids: Iterable[str] | None = None) -> Iterator[RecordText]:
+    q = select(Ablation)
+    rows = list(s.execute(q if ids is None else q.where(Ablation.id.in_(list(ids)))).scalars())
+    run_ids = {v.get("run") for a in rows for v in (a.variants or []) if v.get("run")}
+    labels = dict(s.execute(select(Run.id, Run.name).where(Run.id.in_(run_ids))).all()) if run_ids else {}
+    labels = {k: v for k, v in labels.items() if v}
+    for a in rows:
+        text = ablation_card({"id": a.id, "project": a.project, "factor": a.factor, "metric": a.metric,
+                              "variants": a.variants, "effect": a.effect}, labels)
+        yield RecordText("ablation", a.id, text, a.project, a.factor, None, a.baseline_run)
+
+
+def failure_texts(s: Session, ids: Iterable[str] | None = None, *,
+                  run_ids: Iterable[str] | None = None) -> Iterator[RecordText]:
+    """Failures by id, or every failure of `run_ids`, or (neither) all of them."""
+    q = select(Failure, Run.name, Run.project, Run.status, Run.config).join(Run, Run.id == Failure.run_id)
+    if ids is not None:
+        numeric = [int(i) for i in ids if str(i).isdigit()]
+        if not numeric:
+            return
+        q = q.where(Failure.id.in_(numeric))
+    elif run_ids is not None:
+        run_ids = list(run_ids)
+        if not run_ids:
+            return
+        q = q.where(Failure.run_id.in_(run_ids))
+    for f, name, project, status, config in s.execute(q):
+        text = failure_card({"kind": f.kind, "step": f.step, "message": f.message, "evidence": f.evidence},
+                            {"id": f.run_id, "name": name, "project": project, "config": config})
+        yield RecordText("failure", str(f.id), text, project, f"{f.kind} in {name or f.run_id}", status, f.run_id)
