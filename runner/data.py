@@ -26,6 +26,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,10 @@ def build_builtin(folder: Path) -> None:
         # documents joined by a blank line, the separator both domains already use
         data = np.frombuffer(b"\n\n".join(chunks), dtype=np.uint8)
         write_shard(folder / f"{source}_{split}.bin", data)
+
+
+def default_cache_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "pretrain-kb-corpus"
 
 
 def builtin_folder(cache_dir: Path) -> Path:

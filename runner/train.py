@@ -27,7 +27,6 @@ import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -41,7 +40,7 @@ from kb.errors import InvalidRecord, KBError
 from kb.failures import from_exception
 from kb.tracking import new_run_id, provenance, utcnow
 from runner.config import TrainConfig
-from runner.data import MixtureBatches, load_sources
+from runner.data import MixtureBatches, default_cache_dir, load_sources
 from runner.model import GPT
 from runner.optim import lr_at, make_optimizers, set_lr
 
@@ -59,10 +58,6 @@ class TrainResult:
     record: dict
     checkpoint: Path | None
     steps_done: int
-
-
-def default_cache_dir() -> Path:
-    return Path(tempfile.gettempdir()) / "pretrain-kb-corpus"
 
 
 def pick_device(name: str) -> torch.device:
