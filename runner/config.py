@@ -170,6 +170,19 @@ class TrainConfig:
             micro_batch_size=micro, data_mixture=mixture,
             name=self.name or f"proxy-d{self.n_layer}-s{self.seed}")
 
+    def with_depth(self, n_layer: int) -> "TrainConfig":
+        """This config at another depth (`kb submit --scales`). What followed the depth rule here
+        (width, heads, lr, min_lr: equal to what this depth derives) follows it at the new depth;
+        what was set apart from the rule stays as set."""
+        rule = replace(self, d_model=0, n_head=0, n_kv_head=0, lr=None, min_lr=None).resolved()
+        mine = self.resolved()
+        keep = {k: getattr(self, k) for k in ("d_model", "n_head", "n_kv_head", "lr", "min_lr")
+                if getattr(mine, k) != getattr(rule, k)}
+        if "lr" in keep and "min_lr" not in keep and math.isclose(mine.min_lr, mine.lr / 10):
+            keep["min_lr"] = None          # the default ratio to a fixed lr stays the ratio
+        base = {"d_model": 0, "n_head": 0, "n_kv_head": 0, "lr": None, "min_lr": None}
+        return replace(self, n_layer=_checked("n_layer", "n_layer", n_layer), name=None, **{**base, **keep})
+
     def to_config(self, source_origins: dict[str, str] | None = None) -> dict:
         """The run record's config: every option by its canonical name, data nested."""
         flat = asdict(self)

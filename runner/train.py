@@ -20,6 +20,7 @@ the chip's dense bf16 peak. On a CPU: fp32 with `threads` torch threads.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -38,6 +39,7 @@ import torch
 
 from kb.errors import InvalidRecord, KBError
 from kb.failures import from_exception
+from kb.records import json_safe
 from kb.tracking import new_run_id, provenance, utcnow
 from runner.config import TrainConfig
 from runner.data import MixtureBatches, default_cache_dir, load_sources
@@ -48,6 +50,7 @@ __all__ = ["train", "TrainConfig", "TrainResult"]
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
+RECORD = "run.json"             # the finished run's record, for `kb ingest` when nothing stored it
 REPO = Path(__file__).resolve().parent.parent
 # dense bf16 peak FLOP/s by device name, for MFU (the datasheets' numbers without sparsity)
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
@@ -216,8 +219,11 @@ def train(cfg: TrainConfig, workdir: Path | str, on_eval: Callable[[int, dict], 
     status, failure, reason = "completed", None, "max_steps"
     evaluated_at = -1
     interval_start, interval_steps = time.perf_counter(), 0
+    loop_start, elapsed_before = time.perf_counter(), run.elapsed
     try:
         while run.step < cfg.max_steps:
+            # wall time of the whole loop (evaluations and checkpoints too), over every resume
+            run.elapsed = elapsed_before + time.perf_counter() - loop_start
             if should_stop is not None and should_stop():
                 status, reason = "killed", "stopped"
                 failure = {"kind": "killed", "step": run.step, "message": f"stopped on request at step {run.step}"}
@@ -228,9 +234,7 @@ def train(cfg: TrainConfig, workdir: Path | str, on_eval: Callable[[int, dict], 
             if cfg.max_seconds and run.elapsed >= cfg.max_seconds:
                 reason = "max_seconds"
                 break
-            t0 = time.perf_counter()
             loss = run.train_step()
-            run.elapsed += time.perf_counter() - t0
             if run.first_loss is None:
                 run.first_loss = loss
             if not math.isfinite(loss) or loss > cfg.divergence_factor * run.first_loss:
@@ -265,6 +269,7 @@ def train(cfg: TrainConfig, workdir: Path | str, on_eval: Callable[[int, dict], 
             failure["kind"] = "oom"
         status, reason = ("killed", "interrupted") if isinstance(exc, KeyboardInterrupt) else ("failed", "exception")
         log.exception("run %s failed at step %d", run.id, run.step)
+    run.elapsed = elapsed_before + time.perf_counter() - loop_start
     checkpoint = None
     if status in ("completed", "killed") and reason != "interrupted":
         if status == "completed" and evaluated_at != run.step and run.step > 0:
@@ -273,7 +278,14 @@ def train(cfg: TrainConfig, workdir: Path | str, on_eval: Callable[[int, dict], 
     elif ckpt.exists():
         checkpoint = ckpt
     record = build_record(run, status, failure, reason, flops_per_token)
+    write_json(workdir / RECORD, record)
     return TrainResult(record=record, checkpoint=checkpoint, steps_done=run.step)
+
+
+def write_json(path: Path, record: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(json_safe(record), default=str))
+    os.replace(tmp, path)
 
 
 def build_record(run: Run, status: str, failure: dict | None, reason: str, flops_per_token: float) -> dict:
@@ -291,6 +303,8 @@ def build_record(run: Run, status: str, failure: dict | None, reason: str, flops
         summary["tokens_per_sec"] = statistics.median(run.rates)
     if run.mfus:
         summary["mfu"] = statistics.median(run.mfus)
+    # a summary holds finite numbers only (the store's rule); a NaN loss stays in its curve
+    summary = {k: v for k, v in summary.items() if not isinstance(v, float) or math.isfinite(v)}
     code = {"entrypoint": sys.argv[0] or None, "argv": list(sys.argv), "command": shlex.join(sys.argv),
             **provenance(REPO)}
     device = run.device

@@ -2,6 +2,7 @@
 written here with the real header. GPU paths are tested only where torch sees a GPU."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -13,7 +14,7 @@ from runner.config import TrainConfig
 from runner.data import HEADER_INTS, MAGIC, MixtureBatches, read_shard, user_source, write_shard
 from runner.model import GPT
 from runner.optim import lr_at, param_groups
-from runner.train import CHECKPOINT, train
+from runner.train import CHECKPOINT, RECORD, train
 
 TINY = {"n_layer": 1, "d_model": 32, "seq_len": 32, "batch_size": 8, "eval_batches": 1, "threads": 1}
 
@@ -311,12 +312,22 @@ def test_the_record_is_stored_and_read_back(kb, tmp_path):
     assert kb.runs(where="config.data.mixture.prose = 0.5 and config.n_layer = 1")[0].id == rec["id"]
 
 
-def test_a_diverged_record_is_stored_with_its_failure(kb, tmp_path):
-    rec = train(tiny(max_steps=50, lr=30.0, warmup_steps=0, grad_clip=0.0), tmp_path / "run").record
+def test_a_nan_diverged_record_is_stored_with_its_failure(kb, tmp_path):
+    # no blow-up threshold to speak of: the run goes on until the loss is NaN
+    res = train(tiny(max_steps=50, lr=1e8, warmup_steps=0, grad_clip=0.0, divergence_factor=1e30),
+                tmp_path / "run")
+    rec = res.record
+    step = rec["failure"]["step"]
+    assert rec["status"] == "diverged" and "not finite" in rec["failure"]["message"]
+    assert math.isnan(rec["metrics"]["train/loss"][-1][1]) and rec["metrics"]["train/loss"][-1][0] == step
+    assert all(math.isfinite(v) for _, v in points(rec["metrics"]["train/loss"])[:-1])
     assert kb.ingest_records([rec], source="test-trainer", index=False).added == 1
     got = kb.run(rec["id"])
     assert got.status == "diverged"
-    assert [(f["kind"], f["step"]) for f in got.failures][:1] == [("diverged", rec["failure"]["step"])]
+    assert ("diverged", step) in [(f["kind"], f["step"]) for f in got.failures]
+    assert math.isnan(got.metrics["train/loss"][-1][1])
+    saved = json.loads((tmp_path / "run" / RECORD).read_text())     # kept beside the checkpoint
+    assert saved["id"] == rec["id"] and saved["metrics"]["train/loss"][-1][1] == "NaN"
 
 
 # ---- GPU --------------------------------------------------------------------------------------------
@@ -328,3 +339,12 @@ def test_gpu_run_uses_bf16_compile_and_reports_mfu(tmp_path):
     runner = rec["meta"]["runner"]
     assert runner["precision"] == "bf16" and runner["compiled"]
     assert 0 < rec["summary"]["mfu"] < 1 or "H" not in runner["device"]
+
+
+def test_a_depth_change_carries_what_followed_the_depth_rule():
+    stored = TrainConfig.from_dict(TrainConfig.from_dict({"n_layer": 4}).resolved().to_config())
+    deeper = stored.with_depth(8).resolved()
+    assert (deeper.d_model, deeper.n_head, deeper.lr) == (512, 8, TrainConfig(n_layer=8).resolved().lr)
+    custom = TrainConfig.from_dict(TrainConfig.from_dict({"n_layer": 4, "d_model": 128, "lr": 1e-3}).resolved().to_config())
+    deeper = custom.with_depth(8).resolved()
+    assert (deeper.d_model, deeper.n_head, deeper.lr, deeper.min_lr) == (128, 2, 1e-3, pytest.approx(1e-4))
