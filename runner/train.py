@@ -326,3 +326,38 @@ def build_record(run: Run, status: str, failure: dict | None, reason: str, flops
     for key, value in run.fields.items():
         record[key] = value
     return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m runner.train --config cfg.json --workdir DIR`: one run, its record in DIR/run.json."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m runner.train", description="Train one proxy GPT.")
+    ap.add_argument("--config", help="JSON file of options (runner/options.py); none: the defaults")
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="an option on top of the file, e.g. --set lr=1e-3 --set pos='\"rope\"'")
+    ap.add_argument("--fresh", action="store_true", help="ignore the workdir's checkpoint")
+    args = ap.parse_args(argv)
+    data = json.loads(Path(args.config).read_text()) if args.config else {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            data[key] = json.loads(value)
+        except json.JSONDecodeError:
+            data[key] = value           # a bare word: `--set norm=rmsnorm`
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        result = train(TrainConfig.from_dict(data), Path(args.workdir), resume=not args.fresh,
+                       on_eval=lambda step, m: log.info("step %d: %s", step,
+                                                        ", ".join(f"{k} {v:.4g}" for k, v in m.items())))
+    except KBError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InvalidRecord) else 1
+    rec = result.record
+    print(json.dumps({"id": rec["id"], "status": rec["status"], "summary": rec["summary"],
+                      "record": str(Path(args.workdir) / RECORD)}, default=str))
+    return 0 if rec["status"] == "completed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

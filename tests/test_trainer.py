@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -348,3 +349,25 @@ def test_a_depth_change_carries_what_followed_the_depth_rule():
     custom = TrainConfig.from_dict(TrainConfig.from_dict({"n_layer": 4, "d_model": 128, "lr": 1e-3}).resolved().to_config())
     deeper = custom.with_depth(8).resolved()
     assert (deeper.d_model, deeper.n_head, deeper.lr, deeper.min_lr) == (128, 2, 1e-3, pytest.approx(1e-4))
+
+
+def test_the_readme_example_runs(tmp_path, monkeypatch):
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Proxy trainer", 1)[1].split("\n## ", 1)[0]
+    [code] = re.findall(r"```python\n(.*?)```", section, re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    saved = json.loads((tmp_path / "proxy-run" / RECORD).read_text())
+    assert saved["status"] == "completed" and saved["config"]["data"]["mixture"] == {"prose": 0.7, "code": 0.3}
+
+
+def test_the_command_line_entry(tmp_path, capsys):
+    from runner.train import main
+    rc = main(["--workdir", str(tmp_path / "w"), "--set", "n_layer=1", "--set", "d_model=32", "--set", "seq_len=32",
+               "--set", "batch_size=4", "--set", "max_steps=2", "--set", "eval_interval=2", "--set", "norm=rmsnorm"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["status"] == "completed"
+    assert json.loads((tmp_path / "w" / RECORD).read_text())["config"]["norm"] == "rmsnorm"
+    assert main(["--workdir", str(tmp_path / "w"), "--set", "norm=batchnorm"]) == 2
+    assert "norm: 'batchnorm' is not one of" in capsys.readouterr().err
