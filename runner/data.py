@@ -6,7 +6,8 @@
     x, y = batches.train_batch(step, batch_size)  # the same batch for the same (seed, step)
     for x, y in batches.val_batches("web", n_batches, batch_size): ...
 
-A shard is a header of 256 int32 (magic 20240520, version 1, token count) followed by the
+A source spec `builtin:prose` names a built-in one (what a run's config records for it, so a
+stored config trains again as it is). A shard is a header of 256 int32 (magic 20240520, version 1, token count) followed by the
 tokens as uint16. A source is a path, a glob or a list of them, or {"train": ..., "val": ...}; a
 shard whose file name says `val` is validation data, and a source with none holds out the last
 VAL_FRACTION of each shard. The built-in corpus needs no download: `prose` is the docstrings
@@ -89,7 +90,8 @@ class Source:
     name: str
     train: list[np.ndarray]
     val: list[np.ndarray]
-    origin: str                       # what the run's config records: the paths, or builtin:<name>
+    origin: str | list | dict         # what the run's config records, read back as the same source:
+                                      # builtin:<name>, or the shards' absolute paths
     files: list[str] = field(default_factory=list)
 
     def tokens(self, split: str) -> int:
@@ -144,7 +146,11 @@ def user_source(name: str, spec) -> Source:
     if not val:
         train, val = _tail_split(train)
     files = [str(p.resolve()) for p in train_paths + val_paths]
-    return Source(name, train, val, origin=files[0] if len(files) == 1 else ", ".join(files), files=files)
+    if isinstance(spec, dict):
+        origin = {"train": [str(p.resolve()) for p in train_paths], "val": [str(p.resolve()) for p in val_paths]}
+    else:
+        origin = files[0] if len(files) == 1 else files
+    return Source(name, train, val, origin=origin, files=files)
 
 
 # ---- the built-in corpus ------------------------------------------------------------------------
@@ -221,8 +227,12 @@ def load_sources(specs: dict, cache_dir: Path, names: list[str]) -> dict[str, So
     """The named sources: user shards from specs, the built-in corpus for `prose` and `code`."""
     out = {}
     for name in names:
-        if name in specs:
-            out[name] = user_source(name, specs[name])
+        spec = specs.get(name)
+        if isinstance(spec, str) and spec.startswith("builtin:") and spec[len("builtin:"):] in BUILTIN:
+            out[name] = builtin_source(spec[len("builtin:"):], cache_dir)
+            out[name].name = name
+        elif name in specs:
+            out[name] = user_source(name, spec)
         elif name in BUILTIN:
             out[name] = builtin_source(name, cache_dir)
         else:

@@ -271,6 +271,23 @@ def test_config_reads_nested_aliases_and_derives_from_depth():
     assert again.to_config() == cfg.to_config()
 
 
+def test_a_stored_config_trains_again_as_it_was(tmp_path):
+    write_shard(tmp_path / "a_train.bin", np.arange(3000) % 7)
+    write_shard(tmp_path / "b1.bin", np.arange(3000) % 5)
+    write_shard(tmp_path / "b2.bin", np.arange(3000) % 3)
+    write_shard(tmp_path / "b_held.bin", np.arange(1000) % 5)
+    sources = {"a": str(tmp_path / "a_train.bin"), "b": str(tmp_path / "b?.bin"),
+               "c": {"train": str(tmp_path / "b1.bin"), "val": str(tmp_path / "b_held.bin")}}
+    first = train(tiny(max_steps=3, eval_interval=3, **{"data.sources": sources,
+                  "data.mixture": {"a": 0.3, "b": 0.3, "c": 0.2, "code": 0.2}}), tmp_path / "one").record
+    origins = first["config"]["data"]["sources"]
+    assert origins["code"] == "builtin:code" and origins["b"] == [str(tmp_path / "b1.bin"), str(tmp_path / "b2.bin")]
+    assert origins["c"] == {"train": [str(tmp_path / "b1.bin")], "val": [str(tmp_path / "b_held.bin")]}
+    again = train(TrainConfig.from_dict(first["config"]), tmp_path / "two").record
+    assert again["config"] == first["config"]
+    assert again["metrics"]["train/loss"] == first["metrics"]["train/loss"]
+
+
 @pytest.mark.parametrize("bad,field,words", [
     ({"n_layers_total": 3}, "n_layers_total", "unknown option"),
     ({"norm": "batchnorm"}, "norm", "not one of layernorm, rmsnorm"),
