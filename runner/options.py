@@ -43,7 +43,7 @@ RUNNER_OPTIONS: dict[str, str] = {
     "seq_len": "context length in tokens",
     "max_steps": "optimizer steps (the schedule's length)",
     "max_tokens": "token budget: stop once this many tokens were trained on (0: none)",
-    "max_seconds": "time budget: stop after this many seconds of training (0: none)",
+    "max_seconds": "time budget: seconds of the training loop, evaluations and resumes included (0: none)",
     "seed": "random seed (initialisation, batches, dropout)",
     # evaluation and failure
     "eval_interval": "steps between validation evaluations",

@@ -243,6 +243,30 @@ def test_muon_takes_the_hidden_matrices_and_learns(tmp_path):
     assert np.mean(loss[-5:]) < loss[0] - 1.5
 
 
+def test_a_muon_step_is_an_orthogonalised_update_at_adamw_scale(tmp_path):
+    from runner.data import default_cache_dir
+    from runner.train import Run
+    cfg = tiny(optimizer="muon", lr=1e-2, warmup_steps=0, weight_decay=0.0).resolved()
+    run = Run(cfg, tmp_path, default_cache_dir(), {})
+    w = run.model.blocks[0].mlp.fc.weight               # 128 x 32
+    before = w.detach().clone()
+    run.train_step()
+    update = (w.detach() - before) / (0.2 * cfg.lr * math.sqrt(max(w.shape)))     # Moonshot's RMS match
+    sv = torch.linalg.svdvals(update)
+    # Newton-Schulz takes singular values to about 0.7-1.2 (its quintic's band), except the
+    # directions the gradient barely has, which five iterations lift only part of the way
+    assert sv.max() < 1.5 and (sv > 0.5).float().mean() > 0.9
+    emb = run.model.wte.weight.grad is None and run.optimizers[-1].state[run.model.wte.weight]["step"] == 1
+    assert emb                                           # the embedding took its step on AdamW
+
+
+def test_seeds_decide_everything(tmp_path):
+    loss = lambda seed, d: points(train(tiny(max_steps=3, eval_interval=3, dropout=0.1, seed=seed),
+                                        tmp_path / d).record["metrics"]["train/loss"])
+    assert loss(1, "a") == loss(1, "b")
+    assert loss(1, "a") != loss(2, "c")
+
+
 def test_schedules():
     cfg = tiny(max_steps=100, lr=1.0, min_lr=0.1, warmup_steps=10).resolved()
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
