@@ -165,11 +165,29 @@ def search_groups(history: History, project: str | None = None) -> list[Group]:
         finished = [r for r in runs if history.value(r.id) is not None and not history.failed(r.id)]
         values = {p: [_numeric_leaves(r.config)[p] for r in runs] for p in keys}
         varying = sorted((p for p in keys if len(set(values[p])) >= 2), key=lambda p: (-len(set(values[p])), p))
+        varying = _independent(varying, values)
         dims = [Dim.of(canonical(p), p, values[p]) for p in varying[:MAX_DIMS]]
         if not dims or len(finished) < len(dims) + 3:
             continue
         groups.append(Group(proj, params, dims, runs, _best_config(history, finished)))
     return sorted(groups, key=lambda g: (-len(g.runs), g.project, g.params or 0))
+
+
+def _independent(keys: list, values: dict) -> list:
+    """The keys less those that moved in lockstep with an earlier one: a key whose value each run is
+    told by another's, one to one (a runner's min_lr = lr / 10 across an lr sweep), is one dimension
+    of the search, not two; a surface over both would be singular. A change to the kept key lets
+    the other follow it (the runner derives it again)."""
+    kept: list = []
+    for key in keys:
+        if not any(_one_to_one(values[k], values[key]) for k in kept):
+            kept.append(key)
+    return kept
+
+
+def _one_to_one(a: list, b: list) -> bool:
+    pairs = set(zip(a, b))
+    return len(pairs) == len({x for x, _ in pairs}) == len({y for _, y in pairs})
 
 
 def _best_config(history: History, finished: list) -> str:

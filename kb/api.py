@@ -420,6 +420,53 @@ class KnowledgeBase:
         from kb.reports import write_report
         return write_report(self, ref=ref, where=where, out=out, html=html, metric=metric)
 
+    # ---- jobs and the experiment loop (runner/) --------------------------------------------------
+
+    def submit(self, hypothesis: str | None = None, *, config: dict | None = None, backend: str = "local",
+               scales: list[float] | None = None, seeds: int | None = None, **options) -> list[dict]:
+        """Queue proxy trainings: an approved hypothesis's plan (baseline and variant x scales x seeds,
+        runner.submit) or one `config`; returns SPEC's Jobs. `options`: project, name, max_attempts."""
+        from runner.submit import submit_config, submit_hypothesis
+        if (hypothesis is None) == (config is None):
+            raise InvalidRecord("submit one thing: a hypothesis id or a config", field="submit")
+        if hypothesis is not None:
+            return submit_hypothesis(self, hypothesis, backend=backend, scales=scales, seeds=seeds, **options)
+        return submit_config(self, config, backend=backend, scales=scales, seeds=seeds, **options)
+
+    def jobs(self, status: str | None = None, hypothesis: str | None = None) -> list[dict]:
+        from runner.queue import listed
+        return listed(self.engine, status=status, hypothesis=hypothesis)
+
+    def job(self, ref: str) -> dict:
+        from runner.queue import get
+        return get(self.engine, ref)
+
+    def cancel(self, ref: str) -> dict:
+        """Cancel a queued job now, or ask a running one to stop at its next check."""
+        from runner.submit import cancel
+        return cancel(self, ref)
+
+    def work(self, backend: str = "local", once: bool = True, *, slots: int | None = None,
+             max_jobs: int | None = None, job: str | None = None, token: str | None = None,
+             on_change=None, on_progress=None) -> list[dict]:
+        """Run queued jobs on `backend` (runner.worker) until the queue is empty (once) or forever;
+        or the one job `job` in this process. Returns the jobs finished."""
+        from runner.backends import build
+        from runner.execute import execute
+        from runner.worker import Worker, run_one
+        if job is not None:
+            return [run_one(self, job, token, on_progress=on_progress)]
+        lease_s = self.settings.job_lease_s
+        run_here = lambda lease: execute(self, lease, lease_s=lease_s, on_progress=on_progress)  # noqa: E731
+        worker = Worker(self, build(backend, self.settings, run_here=run_here, slots=slots), lease_s=lease_s,
+                        on_change=on_change)
+        return worker.run(once=once, max_jobs=max_jobs)
+
+    def loop(self, **options):
+        """propose -> approve -> run -> verdict, repeated (runner.loop.run_loop); a LoopReport."""
+        from runner.loop import run_loop
+        return run_loop(self, **options)
+
 
 def open_kb(kb: KnowledgeBase | Settings | None = None) -> KnowledgeBase:
     """A KnowledgeBase from None (KB_* settings), a Settings, or an open KnowledgeBase.

@@ -25,6 +25,14 @@ class Settings(BaseSettings):
     llm_base_url: str | None = Field(default=None, description="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1")
     llm_api_key: str | None = Field(default=None, description="the endpoint's API key; local servers need none")
     threads: int = Field(default=1, description="torch / llama.cpp threads; 1 is fastest beside other work")
+    # the job queue and its backends (runner/): see README "Running experiments"
+    job_lease_s: float = Field(default=120.0, description="a running job's lease; renewed every quarter of it")
+    job_max_attempts: int = Field(default=3, description="attempts per job before it fails (a lost worker counts)")
+    ray_address: str | None = Field(default=None, description="Ray cluster for --backend ray; default: a local one")
+    slurm_cluster: str | None = Field(default=None, description="submitit cluster: slurm (default) | local")
+    slurm_partition: str | None = Field(default=None, description="Slurm partition for --backend slurm")
+    slurm_gpus: int = Field(default=1, description="GPUs per Slurm job")
+    slurm_time_min: int = Field(default=60, description="Slurm time limit per job, minutes")
 
     @property
     def sql_url(self) -> str:
