@@ -83,9 +83,6 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj.residual_out = True
-        if cfg.qk_norm:
-            self.q_norm = nn.RMSNorm(cfg.head_dim)
-            self.k_norm = nn.RMSNorm(cfg.head_dim)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -96,8 +93,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
         k = k.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
         v = v.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
-        if cfg.qk_norm:            # bounds attention logits: the usual fix for logit growth at high lr
-            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.qk_norm:
+            # bounds attention logits, the usual fix for their growth at high lr; without a gain,
+            # as nanochat has it (and a gain in fp32 would take bf16 q off the fused kernel)
+            q, k = F.rms_norm(q, (cfg.head_dim,)), F.rms_norm(k, (cfg.head_dim,))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = F.scaled_dot_product_attention(

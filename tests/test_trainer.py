@@ -200,13 +200,23 @@ def test_the_builtin_corpus_has_two_domains_split_by_file(tmp_path):
 
 # ---- options -----------------------------------------------------------------------------------
 
+def scale_invariant_queries(model) -> bool:
+    """With QK-norm the output ignores the scale of the query weights; without, it does not."""
+    x = torch.randint(0, 256, (2, 16))
+    model.eval()
+    with torch.no_grad():
+        before = model(x)
+        model.blocks[0].attn.qkv.weight[:model.cfg.d_model] *= 10
+        return torch.allclose(before, model(x), atol=1e-4)
+
+
 OPTIONS = [
     ({"pos": "rope"}, lambda m: m.wpe is None and hasattr(m, "rope_cos")),
     ({"norm": "rmsnorm"}, lambda m: isinstance(m.norm_f, torch.nn.RMSNorm)),
     ({"norm_position": "post"}, lambda m: isinstance(m.norm_f, torch.nn.Identity)),
     ({"activation": "swiglu"}, lambda m: m.blocks[0].mlp.fc.out_features == 2 * 128),
     ({"activation": "relu2"}, lambda m: m.blocks[0].mlp.activation == "relu2"),
-    ({"qk_norm": True}, lambda m: hasattr(m.blocks[0].attn, "q_norm")),
+    ({"qk_norm": True}, lambda m: scale_invariant_queries(m)),
     ({"n_head": 4, "n_kv_head": 1}, lambda m: m.blocks[0].attn.qkv.out_features == 32 + 2 * 8),
     ({"tie_embeddings": False}, lambda m: m.lm_head.weight is not m.wte.weight),
     ({"dropout": 0.2}, lambda m: m.drop.p == 0.2),
@@ -217,6 +227,10 @@ OPTIONS = [
     ({"weight_decay": 0.0, "grad_clip": 0.0, "beta1": 0.8, "beta2": 0.99}, None),
     ({"warmup_steps": 0, "min_lr": 0.0}, None),
 ]
+
+
+def test_qk_norm_check_can_fail():
+    assert not scale_invariant_queries(GPT(tiny().resolved().model_config()))
 
 
 @pytest.mark.parametrize("option,check", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items())
