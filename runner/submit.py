@@ -5,7 +5,7 @@
 
 A hypothesis becomes a grid of jobs: each side (the baseline run's config, and that config with the
 change applied) at each scale of its plan (a parameter count, run at the nearest depth: see
-runner.scales), with each seed.
+runner.scales), with seeds 0 to k-1.
 
 A cell the store already holds (a finished run of the project with the same experiment and seed,
 such as the baseline run itself) is not trained again: its job is written as succeeded with that
@@ -101,7 +101,7 @@ def submit_hypothesis(kb, ref: str, *, backend: str = "local", scales: list[floa
     for depth in depths:
         for side, cfg in (("baseline", base), ("variant", variant)):
             for i in range(n_seeds):
-                one = replace(at_depth(cfg, depth), seed=base.seed + i, project=project, name=None)
+                one = replace(at_depth(cfg, depth), seed=i, project=project, name=None)
                 job_id = "job-" + hashlib.sha1(f"{ref}|{side}|{depth}|{one.seed}".encode()).hexdigest()[:12]
                 if job_id in had:
                     continue          # that cell has run already (a hypothesis checked at more scales)
