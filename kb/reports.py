@@ -128,10 +128,17 @@ class _Builder:
             self.add("p", f"Predicted: {predicted['metric']} {predicted['delta']:+.4g} (interval {low:+.4g} to "
                           f"{high:+.4g}; {predicted.get('method', '')}) [{h.id}].")
         baseline = self._seed_group(h.baseline_run)
+        # run through the queue (runner.conclude): each scale's own two sides, as its result holds them
+        cells = [c for c in (h.result or {}).get("scales", []) if c.get("baseline_runs") and c.get("variant_runs")]
+        if cells:
+            baseline = list(dict.fromkeys(r for c in cells for r in c["baseline_runs"]))
         roles = {rid: ("baseline", "") for rid in baseline} | {rid: ("hypothesis", "") for rid in tested}
         self._runs_section(list(roles), roles)
         self.add("h2", "Effect and verdict")
-        if tested:
+        if cells:
+            for c in cells:
+                self._verdict(c["baseline_runs"], c["variant_runs"], f"{h.id} at {_num(c.get('params'))} params")
+        elif tested:
             self._verdict(baseline, tested, f"{h.id} against its baseline")
         else:
             plan = h.plan or {}

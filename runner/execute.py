@@ -106,6 +106,11 @@ def execute(kb, lease: Lease, *, lease_s: float = LEASE_S, heartbeat_s: float | 
             return status
     if beat.stop_reason:
         return _stopped(kb, lease, beat.stop_reason)
+    if result.record.get("summary", {}).get("stop_reason") == "interrupted":
+        # Ctrl-C reached the training (the trainer ends such a run as killed): no result, so the
+        # job goes back to the queue to resume from its checkpoint, and the interrupt goes on
+        retry_or_fail(engine, lease, f"interrupted at step {result.steps_done}")
+        raise KeyboardInterrupt
     status = write_back(kb, lease, result.record)
     conclude_if_done(kb, lease.hypothesis)
     return status
