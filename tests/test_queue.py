@@ -205,8 +205,7 @@ def test_a_worker_killed_mid_run_resumes_its_job_from_the_checkpoint_after_a_res
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     job = kb.job(job["id"])
-    assert job["status"] == "succeeded" and job["attempts"] == 2, job
-    assert "lease expired" in (kb.job(job["id"])["error"] or "") or job["error"] is None
+    assert job["status"] == "succeeded" and job["attempts"] == 2 and job["error"] is None, job
     [run] = kb.runs(project="q")                    # one run, not one per attempt
     assert run.id == job["run"] and run.status == "completed"
     steps = [p[0] for p in kb.run(run.id).metrics["train/loss"]]
