@@ -133,7 +133,7 @@ def _read_batch(client, engine, exp, runs: list, public: str) -> Iterator[Item]:
                 metrics = {k: [_point(m.step, m.value, m.timestamp)
                                for m in client.get_metric_history(run.info.run_id, k)]
                            for k in run.data.metrics}
-            record = parse_run(_native(exp, run, metrics))
+            record = parse_run(native_record(exp, run, metrics))
         except InvalidRecord as exc:
             yield rejected(source, exc.error, field=exc.field)
             continue
@@ -143,7 +143,9 @@ def _read_batch(client, engine, exp, runs: list, public: str) -> Iterator[Item]:
         yield Parsed(record, "mlflow", source, None)
 
 
-def _native(exp, run, metrics: dict) -> dict:
+def native_record(exp, run, metrics: dict) -> dict:
+    """One MLflow run (MLflow's entities) as a native record; also what runs logged live through
+    `kb serve` become (ingest.mlflow_live)."""
     info, params, tags = run.info, run.data.params, run.data.tags
     code = {k: v for k, v in (("git_commit", tags.get("mlflow.source.git.commit")),
                               ("entrypoint", tags.get("mlflow.source.name"))) if v}

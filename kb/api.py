@@ -134,6 +134,12 @@ class KnowledgeBase:
         """`with k.track(project=..., config=...) as run: run.log({...}, step=...)`; ingested on exit."""
         return TrackedRun(self, project=project, config=config or {}, name=name, **fields)
 
+    def mlflow_live(self):
+        """Runs MLflow's client logs through `kb serve` (ingest.mlflow_live.LiveRuns): kept in SQL
+        while open, stored as native runs under MLflow's run id when they end."""
+        from ingest.mlflow_live import LiveRuns
+        return LiveRuns(self)
+
     def _store(self, batch: WriteBatch, item, project: str | None, report: IngestReport) -> None:
         """One record in its own savepoint of the batch: a record that fails leaves no row behind
         and takes nothing else with it."""

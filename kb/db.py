@@ -22,7 +22,7 @@ from kb.errors import ReadOnlyStore
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-HEAD = "0009"   # newest revision in migrations/versions; checked without importing alembic
+HEAD = "0010"   # newest revision in migrations/versions; checked without importing alembic
 
 
 def make_engine(url: str) -> Engine:

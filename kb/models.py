@@ -264,3 +264,40 @@ class IndexPending(SQLModel, table=True):
     kind: str = Field(primary_key=True)      # run | note | ablation
     ref_id: str = Field(primary_key=True)
     queued_at: datetime = Field(default_factory=utcnow)
+
+
+class MlflowExperiment(SQLModel, table=True):
+    """An experiment of the MLflow-compatible tracking endpoints of `kb serve`: MLflow's client
+    addresses experiments by number; the name is the project of the runs logged under it."""
+    id: int | None = Field(default=None, primary_key=True)     # 0 is MLflow's "Default"
+    name: str = Field(sa_column=Column(Text, nullable=False, unique=True))
+    artifact_location: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    tags: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class MlflowRun(SQLModel, table=True):
+    """A run MLflow's client logs through `kb serve` (ingest.mlflow_live). Kept here while it is
+    open, so a server that dies loses none of it; stored as a native run under the same id when
+    it ends, and again whenever it changes after that (migration 0010)."""
+    id: str = Field(primary_key=True)                    # MLflow's run_id: 32 hex digits
+    experiment_id: int = Field(foreign_key="mlflowexperiment.id", index=True)
+    name: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    user_id: str = ""
+    status: str = "RUNNING"                # MLflow's words: RUNNING, SCHEDULED, FINISHED, FAILED, KILLED
+    start_time: int | None = Field(default=None, sa_column=Column(BigInteger))    # ms since the epoch
+    end_time: int | None = Field(default=None, sa_column=Column(BigInteger))
+    params: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    tags: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
+    stored: bool = Field(default=False, index=True)      # the ended run is in the knowledge base as it is now
+
+
+class MlflowPoint(SQLModel, table=True):
+    """One logged metric value of an MLflow run, in arrival order (MLflow allows repeated steps).
+    SQLite stores a NaN as NULL, and MLflow's values are never null: a NULL value is NaN."""
+    seq: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="mlflowrun.id", index=True)
+    key: str = Field(sa_column=Column(Text, nullable=False))
+    step: int = Field(sa_column=Column(BigInteger, nullable=False))
+    timestamp: int = Field(sa_column=Column(BigInteger, nullable=False))      # ms since the epoch
+    value: float | None = Field(default=None, sa_column=Column(Float))

@@ -33,6 +33,11 @@ class Settings(BaseSettings):
     slurm_partition: str | None = Field(default=None, description="Slurm partition for --backend slurm")
     slurm_gpus: int = Field(default=1, description="GPUs per Slurm job")
     slurm_time_min: int = Field(default=60, description="Slurm time limit per job, minutes")
+    # kb serve (kb/server/): see README "Serving"
+    api_tokens: str | None = Field(default=None, description="bearer tokens for writes, comma-separated; "
+                                   "unset: kb serve listens on the loopback interface only")
+    index_sync_s: float = Field(default=3.0, gt=0, description="kb serve indexes what other processes "
+                                "queued this often, in seconds")
 
     @property
     def sql_url(self) -> str:
@@ -43,3 +48,7 @@ class Settings(BaseSettings):
     @property
     def qdrant_path(self) -> Path:
         return self.home / "qdrant"
+
+    @property
+    def tokens(self) -> list[str]:
+        return [t.strip() for t in (self.api_tokens or "").split(",") if t.strip()]

@@ -1,0 +1,85 @@
+"""`kb serve`: the REST API (kb/server/) and MLflow-compatible tracking endpoints, under uvicorn.
+
+    kb serve                                   # http://127.0.0.1:8000, writes need no token
+    KB_API_TOKENS=tok1,tok2 kb serve --host 0.0.0.0 --port 8000
+    kb serve --port 0                          # any free port; the first line says which
+"""
+from __future__ import annotations
+
+import ipaddress
+import signal
+import socket
+
+import click
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(serve)
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to listen on; other than loopback only with KB_API_TOKENS set.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port; 0 picks a free one.")
+@click.pass_obj
+def serve(obj, host, port):
+    """Serve the REST API (/api, OpenAPI at /openapi.json) and MLflow's tracking API (/api/2.0/mlflow)."""
+    from kb.errors import KBError
+    settings = obj.settings
+    if not settings.tokens and not _is_loopback(host):
+        raise click.UsageError(f"--host {host} is not a loopback address, and no KB_API_TOKENS is set: "
+                               "anyone who reaches it could write; set tokens, or serve on 127.0.0.1")
+    try:
+        sock = _listen(host, port)
+    except socket.gaierror as exc:
+        raise click.BadParameter(f"{host!r}: {exc.strerror or exc}", param_hint="--host") from None
+    except OSError as exc:
+        raise KBError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    import uvicorn
+
+    from kb.server.app import create_app
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"kb serve: http://{shown}:{bound} (API /api, OpenAPI /openapi.json, "
+               f"MLflow tracking URI http://{shown}:{bound})", err=True)
+    if settings.tokens:
+        click.echo(f"writes need a bearer token ({len(settings.tokens)} set in KB_API_TOKENS)", err=True)
+    else:
+        click.echo("no KB_API_TOKENS set: listening on loopback only, and writes need no token", err=True)
+    app = create_app(obj.kb())
+    config = uvicorn.Config(app, log_level="info" if obj.verbose else "warning", access_log=obj.verbose)
+    # uvicorn shuts down on SIGINT or SIGTERM, then raises the signal again for the handler it
+    # found: a no-op for SIGTERM and a caught KeyboardInterrupt for Ctrl-C end the command
+    # normally, so the knowledge base is closed and the exit status is 0
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False           # a name: it may resolve to anything
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
