@@ -93,7 +93,8 @@ _phrases("agg", "median", "median")
 _phrases("by", None, "by", "per", "for each", "for every", "grouped by", "broken down by", "across", "for different")
 _phrases("compare", None, "compare", "comparing", "comparison of")
 _phrases("diff", None, "what changed", "what's different", "what is different", "what was different",
-         "what differs", "difference", "differences", "differ", "differs", "diff", "changed", "change")
+         "what differs", "difference", "differences", "differ", "differs", "diff", "changed", "change",
+         "different")      # "what's different": the possessive is cut first, leaving "what" "different"
 _phrases("config", None, "config", "configs", "configuration", "configurations", "setup", "settings",
          "hyperparameters", "hyperparameter settings", "hparams", "recipe")
 _phrases("project_kw", None, "project", "projects")
@@ -171,7 +172,7 @@ def quantity(words: list[str]) -> str | None:
     candidates = [phrase]
     if phrase.endswith("es") and len(phrase) > 4:
         candidates.append(phrase[:-2])
-    if phrase.endswith("s") and len(phrase) > 3:
+    if phrase.endswith("s") and len(phrase) > 2:          # "lrs", "LRs"
         candidates.append(phrase[:-1])
     for p in candidates:
         f = vocab.fold(p)
