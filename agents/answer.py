@@ -319,7 +319,9 @@ def extract(question: str, context: list[Retrieved]) -> list[Claim]:
         if h.chunk.kind == "note" and len(lines) > 1:
             lines = lines[1:]        # a note chunk's first line is its title path, not a finding
         best = max(lines, key=lambda ln: len(wanted & set(tokens(ln))), default="")
-        if best and wanted & set(tokens(best)):
+        # most of what the question is about must be on the line: a line sharing one word of
+        # "the 30B dense run" (a run trained on 30B tokens) answers another question
+        if best and len(wanted & set(tokens(best))) * 2 > len(wanted):
             who = {"run": "Run", "note": "A note", "ablation": "An ablation", "failure": "A failure"}[h.chunk.kind]
             label = h.chunk.id if h.chunk.kind == "run" else ""
             claims.append(Claim(f"{who}{' ' + label if label else ''} records: {best.rstrip('.')}", [h.key]))
