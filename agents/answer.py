@@ -237,7 +237,7 @@ def absent_names(question: str, retriever: Retriever) -> list[str]:
     if not known:
         return []
     missing = []
-    for i, m in enumerate(_WORD.finditer(question)):
+    for m in _WORD.finditer(question):
         word = m.group(0)
         first = m.start() == 0 or question[:m.start()].rstrip().endswith((".", "?", "!", ":"))
         if word.lower() in _QUESTION_WORDS or not _is_name(word, first):
@@ -301,9 +301,7 @@ def _read(answer: Answer, keys: list[str]) -> Answer:
 
 def _row_keys(answer: Answer) -> list[str]:
     """A planned answer read the runs its SQL returned, in the SQL's order."""
-    keys = [f"{c.kind}:{c.id}" for c in answer.citations]
-    keys += [f"run:{r['run_id']}" for r in answer.rows or [] if r.get("run_id")]
-    return keys
+    return _cited_keys(answer) + [f"run:{r['run_id']}" for r in answer.rows or [] if r.get("run_id")]
 
 
 def _cited_keys(answer: Answer) -> list[str]:

@@ -6,7 +6,6 @@ never from the vector index's payloads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from sqlalchemy import select
@@ -16,29 +15,18 @@ from sqlmodel import Session
 from kb.models import Ablation, Failure, Note, Run
 from kb.record_texts import RecordText, ablation_texts, failure_texts, note_texts, run_texts
 
-KINDS = ("run", "note", "ablation", "failure")
+READERS = {"run": run_texts, "note": note_texts, "ablation": ablation_texts, "failure": failure_texts}
+KINDS = tuple(READERS)
 
 
-@dataclass(frozen=True)
-class Chunk:
-    kind: str            # run | note | ablation | failure: the citation kinds of the contract
-    id: str              # the record's id (a failure's integer id as text)
-    text: str
-    project: str
-    status: str | None = None     # runs, and failures (their run's status)
-    run_id: str | None = None     # the run a failure belongs to; a run's own id
-
-    @property
-    def key(self) -> str:
-        return f"{self.kind}:{self.id}"
+# a citable chunk is a record's indexed text (kb.record_texts), the same words the vectors embed
+Chunk = RecordText
 
 
 def all_chunks(engine: Engine) -> Iterator[Chunk]:
     with Session(engine) as s:
-        yield from _runs(s, None)
-        yield from _notes(s, None)
-        yield from _ablations(s, None)
-        yield from _failures(s, None)
+        for reader in READERS.values():
+            yield from reader(s, None)
 
 
 def chunks_by_key(engine: Engine, keys: Iterable[str]) -> dict[str, Chunk]:
@@ -50,30 +38,10 @@ def chunks_by_key(engine: Engine, keys: Iterable[str]) -> dict[str, Chunk]:
             wanted[kind].append(ref)
     out: dict[str, Chunk] = {}
     with Session(engine) as s:
-        for kind, reader in (("run", _runs), ("note", _notes), ("ablation", _ablations), ("failure", _failures)):
+        for kind, reader in READERS.items():
             if wanted[kind]:
                 out.update((c.key, c) for c in reader(s, wanted[kind]))
     return out
-
-
-def _chunk(r: RecordText) -> Chunk:
-    return Chunk(r.kind, r.id, r.text, r.project, r.status, r.run_id)
-
-
-def _runs(s: Session, ids: list[str] | None) -> Iterator[Chunk]:
-    return map(_chunk, run_texts(s, ids))
-
-
-def _notes(s: Session, ids: list[str] | None) -> Iterator[Chunk]:
-    return map(_chunk, note_texts(s, ids))
-
-
-def _ablations(s: Session, ids: list[str] | None) -> Iterator[Chunk]:
-    return map(_chunk, ablation_texts(s, ids))
-
-
-def _failures(s: Session, ids: list[str] | None) -> Iterator[Chunk]:
-    return map(_chunk, failure_texts(s, ids))
 
 
 def record_values(engine: Engine, keys: Iterable[str]) -> dict[str, list]:

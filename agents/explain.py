@@ -13,11 +13,11 @@ from kb.vocab import canonical_metrics
 
 _WORSE = re.compile(r"\bwhy\b.*?\b(?:did|does|was|is)\b\s+(?P<b>.+?)\s+(?:do|perform|score|end|come out|turn out)?\s*"
                     r"(?:up\s+)?(?P<dir>worse|better|higher|lower)\s+than\s+(?P<a>.+?)[?.!]*$", re.I)
-_FAILED = re.compile(r"\bwhy\b.*?\b(?:did|does|was|has)\b\s+(?P<x>.+?)\s+"
-                     r"(?:diverge|blow up|fail|crash|die|go nan|oom|stop|hang)\w*\b", re.I)
-# "at what step did X fail", "when did X blow up": the same record read, the step its answer
-_FAILED_AT = re.compile(r"\b(?:at\s+)?(?:what|which)\s+step\s+(?:did|does|was|has)\s+(?P<x>.+?)\s+"
-                        r"(?:diverge|blow up|fail|crash|die|go nan|oom|stop|hang)\w*\b", re.I)
+_FAILING = r"(?:diverge|blow up|fail|crash|die|go nan|oom|stop|hang)\w*\b"
+_FAILED = re.compile(r"\bwhy\b.*?\b(?:did|does|was|has)\b\s+(?P<x>.+?)\s+" + _FAILING, re.I)
+# "at what step did X fail": the same record read, the step its answer
+_FAILED_AT = re.compile(r"\b(?:at\s+)?(?:what|which)\s+step\s+(?:did|does|was|has)\s+(?P<x>.+?)\s+" + _FAILING,
+                        re.I)
 _NAMES_A_RUN = re.compile(r"\w*\d\w*[-_.:/]\w|\w[-_.:/]\w*\d")
 _KNOW = re.compile(r"\b(what do we know|what have we learn(?:ed|t)|what did we learn|summari[sz]e|"
                    r"lessons?|findings?)\b", re.I)
@@ -150,15 +150,17 @@ def what_we_know(kb, question: str) -> Answer | None:
     from kb.vocab import fold, hparam_name
 
     asked = set(tokens(question))
-    named = {hparam_name(" ".join(question.lower().split()[i:i + n])) for n in (1, 2, 3)
-             for i in range(len(question.split()))} - {None}
+    asked_folded = {fold(t) for t in asked}
+    words = question.lower().split()
+    named = {hparam_name(" ".join(words[i:i + n])) for n in (1, 2, 3) for i in range(len(words))} - {None}
     scored = []
     with Session(kb.engine) as s:
         for abl in s.exec(select(Ablation).limit(5000)):
             leaf = abl.factor.rsplit(".", 1)[-1]
-            by_name = hparam_name(leaf) in named or fold(leaf) in {fold(t) for t in asked}
+            by_name = hparam_name(leaf) in named or fold(leaf) in asked_folded
             values = {str(v.get("value")).lower() for v in abl.variants}
-            by_value = {t for t in asked if t in values or any(t in tokens(v) for v in values)}
+            value_tokens = values.union(*(tokens(v) for v in values))
+            by_value = asked & value_tokens
             if by_name or len(by_value) >= 1 and any(not t[0].isdigit() for t in by_value) or len(by_value) >= 2:
                 scored.append((by_name + len(by_value), abl))
     if not scored:

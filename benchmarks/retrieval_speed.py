@@ -54,7 +54,8 @@ def filler_text(rng: random.Random, i: int) -> tuple[str, str]:
 def add_filler(kb, n: int, start: int, seed: int = 0) -> float:
     """n filler notes: vectors first (so no reconcile ever sees SQL rows without points), then rows."""
     from sqlalchemy import insert
-    from kb.indexer import note_text, payload
+    from kb.indexer import payload
+    from kb.record_texts import note_text
     from kb.models import Note, utcnow
     from kb.vectors import VectorPoint
 

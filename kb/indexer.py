@@ -19,7 +19,7 @@ from sqlmodel import Session
 
 from kb.cards import card_hash
 from kb.models import Ablation, Failure, IndexPending, Note, Run, utcnow
-from kb.record_texts import ablation_texts, failure_texts, note_text, note_texts, run_texts  # noqa: F401 - note_text re-exported
+from kb.record_texts import ablation_texts, failure_texts, note_texts, run_texts
 
 log = logging.getLogger(__name__)
 BATCH = 128

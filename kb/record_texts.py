@@ -27,6 +27,11 @@ class RecordText:
     status: str | None = None  # a run's status, and a failure's run's
     run_id: str | None = None  # a failure's run; an ablation's baseline run; a run's own id
 
+    @property
+    def key(self) -> str:
+        """`kind:id`: the vector point's id, the keyword index's key, a citation's reference."""
+        return f"{self.kind}:{self.id}"
+
 
 def note_text(row: Note) -> str:
     return f"{row.title}\n{row.text}" if row.title else row.text
