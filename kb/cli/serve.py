@@ -1,30 +1,56 @@
-"""`kb serve`: the REST API (kb/server/) and MLflow-compatible tracking endpoints, under uvicorn.
+"""`kb serve`: the REST API (kb/server/), MLflow-compatible tracking endpoints and the UI at /ui,
+under uvicorn; `kb ui`: the same server, opening the UI in a browser.
 
     kb serve                                   # http://127.0.0.1:8000, writes need no token
     KB_API_TOKENS=tok1,tok2 kb serve --host 0.0.0.0 --port 8000
     kb serve --port 0                          # any free port; the first line says which
+    kb ui                                      # http://127.0.0.1:8000/ui/, opened in a browser
 """
 from __future__ import annotations
 
 import ipaddress
 import signal
 import socket
+import threading
 
 import click
 
 
 def register(cli: click.Group) -> None:
     cli.add_command(serve)
+    cli.add_command(ui)
+
+
+host_option = click.option("--host", default="127.0.0.1", show_default=True,
+                           help="Interface to listen on; other than loopback only with KB_API_TOKENS set.")
+port_option = click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+                           help="TCP port; 0 picks a free one.")
 
 
 @click.command()
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Interface to listen on; other than loopback only with KB_API_TOKENS set.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
-              help="TCP port; 0 picks a free one.")
+@host_option
+@port_option
+@click.option("--no-ui", is_flag=True, help="Serve the API only (no Gradio UI at /ui).")
 @click.pass_obj
-def serve(obj, host, port):
-    """Serve the REST API (/api, OpenAPI at /openapi.json) and MLflow's tracking API (/api/2.0/mlflow)."""
+def serve(obj, host, port, no_ui):
+    """Serve the REST API (/api, OpenAPI at /openapi.json), MLflow's tracking API (/api/2.0/mlflow)
+    and the UI (/ui)."""
+    run_server(obj, host, port, ui=not no_ui)
+
+
+@click.command()
+@host_option
+@port_option
+@click.option("--no-browser", is_flag=True, help="Print the UI's address without opening a browser.")
+@click.pass_obj
+def ui(obj, host, port, no_browser):
+    """Serve the UI (and the API beside it) and open it in a browser."""
+    run_server(obj, host, port, ui=True, open_browser=not no_browser)
+
+
+def run_server(obj, host: str, port: int, *, ui: bool = True, open_browser: bool = False,
+               before=None) -> None:
+    """Listen, then serve until SIGINT/SIGTERM. `before(url)` runs once the socket is bound."""
     from kb.errors import KBError
     settings = obj.settings
     if not settings.tokens and not _is_loopback(host):
@@ -47,7 +73,14 @@ def serve(obj, host, port):
         click.echo(f"writes need a bearer token ({len(settings.tokens)} set in KB_API_TOKENS)", err=True)
     else:
         click.echo("no KB_API_TOKENS set: listening on loopback only, and writes need no token", err=True)
-    app = create_app(obj.kb())
+    if ui:
+        click.echo(f"UI: http://{shown}:{bound}/ui/", err=True)
+    app = create_app(obj.kb(), ui=ui)
+    if before is not None:
+        before(f"http://{shown}:{bound}")
+    if open_browser:
+        import webbrowser
+        threading.Timer(1.0, webbrowser.open, (f"http://{shown}:{bound}/ui/",)).start()
     config = uvicorn.Config(app, log_level="info" if obj.verbose else "warning", access_log=obj.verbose)
     # uvicorn shuts down on SIGINT or SIGTERM, then raises the signal again for the handler it
     # found: a no-op for SIGTERM and a caught KeyboardInterrupt for Ctrl-C end the command

@@ -81,9 +81,10 @@ class IndexKeeper:
             self._wake.clear()
 
 
-def create_app(kb_or_settings=None, *, index: bool = True) -> FastAPI:
+def create_app(kb_or_settings=None, *, index: bool = True, ui: bool = True) -> FastAPI:
     """The app on an open KnowledgeBase (left open at shutdown), or on one it opens from Settings
-    or the KB_* variables (closed at shutdown). `index=False`: no indexing thread."""
+    or the KB_* variables (closed at shutdown). `index=False`: no indexing thread; `ui=False`: no
+    Gradio UI at /ui (it costs gradio's import, ~3.5 s)."""
     from kb.api import KnowledgeBase, open_kb
     from kb.server import agents, hypotheses, jobs, mlflow_compat, runs
 
@@ -115,6 +116,9 @@ def create_app(kb_or_settings=None, *, index: bool = True) -> FastAPI:
     for module in (runs, agents, hypotheses, jobs, mlflow_compat):
         app.include_router(module.router)
     _handle_errors(app)
+    if ui:
+        from kb.ui.app import mount
+        app = mount(app, k, lock)
     return app
 
 
