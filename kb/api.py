@@ -226,6 +226,34 @@ class KnowledgeBase:
     def pending_index(self) -> int:
         return self.count()["pending_index"]
 
+    def record(self, kind: str, ref: str) -> dict:
+        """A record a citation names, by kind and id: a run (as `kb show --json`), a note chunk
+        (title, text, source), an ablation (factor, variants, effect) or a failure (kind, step,
+        evidence, its run). NotFound when there is none."""
+        if kind == "run":
+            return self.run(ref).as_dict()
+        from kb.record_views import read_record
+        with Session(self.engine) as s:
+            return read_record(s, kind, ref)
+
+    def failures(self, kind: str | None = None, project: str | None = None, limit: int | None = None) -> list[dict]:
+        """Failures across runs (kb.record_views.list_failures): kind, step, message, evidence, run."""
+        from kb.record_views import list_failures
+        with Session(self.engine) as s:
+            return list_failures(s, kind=kind, project=project, limit=limit)
+
+    def anomalies(self, kind: str | None = None, project: str | None = None, limit: int | None = None) -> list[dict]:
+        """Anomalies found on runs' curves (loss spikes, plateaus, divergence), with their run."""
+        from kb.record_views import list_anomalies
+        with Session(self.engine) as s:
+            return list_anomalies(s, kind=kind, project=project, limit=limit)
+
+    def failure_counts(self, project: str | None = None) -> dict[str, dict[str, int]]:
+        """{"failures": {kind: n}, "anomalies": {kind: n}} over every run (or one project's)."""
+        from kb.record_views import failure_counts
+        with Session(self.engine) as s:
+            return failure_counts(s, project=project)
+
     # ---- vectors -------------------------------------------------------------------------
 
     @property
