@@ -30,7 +30,7 @@ from llama_index.core.llms import LLM
 
 from agents.llamacpp import EMBEDDED_NEEDS, MAX_TOKENS, SEED, EmbeddedLLM, default_gguf
 from kb.errors import LLMError, LLMOutputInvalid
-from kb.settings import Settings
+from kb.settings import Settings, secret
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def get_llm(settings: Settings) -> LLM:
     """The LLM that settings name, built once per process (the same object on every call).
 
     The embedded model loads on its first request, not here; an HF model loads here."""
-    key = (settings.llm_backend, settings.llm_model, settings.llm_base_url, settings.llm_api_key,
+    key = (settings.llm_backend, settings.llm_model, settings.llm_base_url, secret(settings.llm_api_key),
            settings.threads)
     with _LLMS_LOCK:
         if key not in _LLMS:
@@ -92,7 +92,7 @@ def _openai_compatible(settings: Settings) -> LLM:
     # max_tokens here bounds every answer: llama-index's OpenAI sends it over a per-call max_tokens
     return OpenAILike(model=settings.llm_model, api_base=settings.llm_base_url,
                       # local servers ignore the key, but the OpenAI client insists on one
-                      api_key=settings.llm_api_key or "unused", is_chat_model=True,
+                      api_key=secret(settings.llm_api_key) or "unused", is_chat_model=True,
                       temperature=0.0, max_tokens=MAX_TOKENS, additional_kwargs={"seed": SEED},
                       timeout=120.0, max_retries=2)
 

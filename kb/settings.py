@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -13,7 +13,7 @@ class Settings(BaseSettings):
     home: Path = Field(default=Path(".kb"), description="embedded storage: kb.sqlite and qdrant/")
     database_url: str | None = Field(default=None, description="SQLAlchemy URL; default sqlite under home")
     qdrant_url: str | None = Field(default=None, description="a Qdrant server; default embedded under home")
-    qdrant_api_key: str | None = None
+    qdrant_api_key: SecretStr | None = None
     collection: str = "kb"
     embedding_model: str = Field(
         default="all-MiniLM-L6-v2",
@@ -23,7 +23,7 @@ class Settings(BaseSettings):
     llm_backend: str = Field(default="llamacpp", description="llamacpp | openai | hf")
     llm_model: str | None = Field(default=None, description="GGUF path, HF id or endpoint model name")
     llm_base_url: str | None = Field(default=None, description="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1")
-    llm_api_key: str | None = Field(default=None, description="the endpoint's API key; local servers need none")
+    llm_api_key: SecretStr | None = Field(default=None, description="the endpoint's API key; local servers need none")
     threads: int = Field(default=1, description="torch / llama.cpp threads; 1 is fastest beside other work")
     # the job queue and its backends (runner/): see README "Running experiments"
     job_lease_s: float = Field(default=120.0, description="a running job's lease; renewed every quarter of it")
@@ -34,8 +34,15 @@ class Settings(BaseSettings):
     slurm_gpus: int = Field(default=1, description="GPUs per Slurm job")
     slurm_time_min: int = Field(default=60, description="Slurm time limit per job, minutes")
     # kb serve (kb/server/): see README "Serving"
-    api_tokens: str | None = Field(default=None, description="bearer tokens for writes, comma-separated; "
-                                   "unset: kb serve listens on the loopback interface only")
+    # secrets are SecretStr: a repr, a log line or an error message shows '**********'
+    api_tokens: SecretStr | None = Field(default=None, description="bearer tokens for reads and writes, "
+                                         "comma-separated, each plain or as `sha256:<hex>` (`kb token`); "
+                                         "unset: kb serve listens on the loopback interface only")
+    api_read_tokens: SecretStr | None = Field(default=None, description="bearer tokens that may only read; "
+                                              "when set, reads need a token too")
+    api_cors_origins: str | None = Field(default=None, description="origins a browser may call the API "
+                                         "from, comma-separated; unset: none (CORS closed)")
+    api_max_body_mb: float = Field(default=64.0, gt=0, description="largest request body kb serve reads, MiB")
     index_sync_s: float = Field(default=3.0, gt=0, description="kb serve indexes what other processes "
                                 "queued this often, in seconds")
 
@@ -51,4 +58,22 @@ class Settings(BaseSettings):
 
     @property
     def tokens(self) -> list[str]:
-        return [t.strip() for t in (self.api_tokens or "").split(",") if t.strip()]
+        """The write tokens (plain or `sha256:<hex>`), as configured."""
+        return _split(self.api_tokens)
+
+    @property
+    def read_tokens(self) -> list[str]:
+        return _split(self.api_read_tokens)
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return _split(self.api_cors_origins)
+
+
+def secret(value) -> str | None:
+    """A secret's text, whether the field was validated (SecretStr) or set by model_copy (str)."""
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+def _split(value) -> list[str]:
+    return [t.strip() for t in (secret(value) or "").split(",") if t.strip()]

@@ -41,6 +41,7 @@ import numpy as np
 from kb.errors import IndexDamaged, KBError, ReadOnlyStore
 from kb.index_files import (busy, copy_shard, damaged, meta_path, native_stderr_to_log, read_meta, remove,
                             take_lock, writes_settled)
+from kb.settings import secret
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def writable(settings) -> bool:
 
 def _client_index(settings, dim: int) -> "ClientIndex":
     from qdrant_client import QdrantClient
-    client = QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
+    client = QdrantClient(url=settings.qdrant_url, api_key=secret(settings.qdrant_api_key))
     return ClientIndex(client, settings.collection, dim, model=settings.embedding_model)
 
 

@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kb", "ingest", "agents", "runner")
 FACADE = ("kb.api", "kb.cli")
 CALLBACKS = ("ingest.callbacks", "ingest.lightning_callback")
-# a module that imports a web framework is UI (the REST server, the Gradio app), whatever its name
+# a module that imports a web framework is UI (the REST server, the Gradio app), whatever its name;
+# so is every module of the UI's and the server's packages, framework or not
 UI_FRAMEWORKS = ("gradio", "fastapi", "starlette")
+UI_PACKAGES = ("kb.ui", "kb.server")
 
 
 def modules() -> dict[str, Path]:
@@ -58,7 +60,7 @@ def graph() -> tuple[dict[str, set[str]], set[str]]:
     edges, ui = {}, set()
     for name, path in mods.items():
         names = imported_names(name, path, set(mods))
-        if any(n.split(".")[0] in UI_FRAMEWORKS for n in names):
+        if any(n.split(".")[0] in UI_FRAMEWORKS for n in names) or under(name, UI_PACKAGES):
             ui.add(name)
         edges[name] = {n for n in names if n in mods and n != name}
     return edges, ui

@@ -19,6 +19,7 @@ import click
 def register(cli: click.Group) -> None:
     cli.add_command(serve)
     cli.add_command(ui)
+    cli.add_command(token)
 
 
 host_option = click.option("--host", default="127.0.0.1", show_default=True,
@@ -48,12 +49,26 @@ def ui(obj, host, port, no_browser):
     run_server(obj, host, port, ui=True, open_browser=not no_browser)
 
 
+@click.command()
+@click.option("--hash", "to_hash", metavar="TOKEN",
+              help="Print the sha256: form of this token instead of a new one ('-': read it from stdin).")
+def token(to_hash):
+    """Make a new API token: prints the token (give it to clients) and its `sha256:` form (put that
+    in KB_API_TOKENS or KB_API_READ_TOKENS, so the server never holds the token itself)."""
+    from kb.server.auth import hashed, new_token
+    if to_hash is not None:
+        click.echo(hashed(click.get_text_stream("stdin").readline().strip() if to_hash == "-" else to_hash))
+        return
+    made = new_token()
+    click.echo(f"token:  {made}\nconfig: {hashed(made)}")
+
+
 def run_server(obj, host: str, port: int, *, ui: bool = True, open_browser: bool = False,
                before=None) -> None:
     """Listen, then serve until SIGINT/SIGTERM. `before(url)` runs once the socket is bound."""
     from kb.errors import KBError
     settings = obj.settings
-    if not settings.tokens and not _is_loopback(host):
+    if not (settings.tokens or settings.read_tokens) and not _is_loopback(host):
         raise click.UsageError(f"--host {host} is not a loopback address, and no KB_API_TOKENS is set: "
                                "anyone who reaches it could write; set tokens, or serve on 127.0.0.1")
     try:
@@ -69,8 +84,10 @@ def run_server(obj, host: str, port: int, *, ui: bool = True, open_browser: bool
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"kb serve: http://{shown}:{bound} (API /api, OpenAPI /openapi.json, "
                f"MLflow tracking URI http://{shown}:{bound})", err=True)
-    if settings.tokens:
-        click.echo(f"writes need a bearer token ({len(settings.tokens)} set in KB_API_TOKENS)", err=True)
+    if settings.tokens or settings.read_tokens:
+        reads = (f"reads need one too ({len(settings.read_tokens)} read-only in KB_API_READ_TOKENS)"
+                 if settings.read_tokens else "reads are open")
+        click.echo(f"writes need a bearer token ({len(settings.tokens)} set in KB_API_TOKENS); {reads}", err=True)
     else:
         click.echo("no KB_API_TOKENS set: listening on loopback only, and writes need no token", err=True)
     if ui:

@@ -22,13 +22,15 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kb.errors import (IndexUnavailable, InvalidRecord, KBError, LLMError, NotFound, QueryError,
                        ReadOnlyStore, UnknownFormat)
 from kb.records import json_safe
-from kb.server.auth import Unauthorized
+from kb.server.auth import Tokens, Unauthorized, reader
+from kb.server.limits import BodyLimit
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +114,17 @@ def create_app(kb_or_settings=None, *, index: bool = True, ui: bool = True) -> F
                               "part of MLflow's tracking API its client logs runs with (under /api/2.0/mlflow). "
                               "Writes need `Authorization: Bearer <token>` when KB_API_TOKENS is set.")
     app.state.kb, app.state.lock, app.state.keeper = k, lock, keeper
-    app.state.tokens = k.settings.tokens
+    app.state.tokens = Tokens(k.settings.tokens, k.settings.read_tokens)
     for module in (runs, agents, hypotheses, jobs, mlflow_compat):
-        app.include_router(module.router)
+        app.include_router(module.router, dependencies=reader)
     _handle_errors(app)
+    app.add_middleware(BodyLimit, max_bytes=int(k.settings.api_max_body_mb * (1 << 20)))
+    if k.settings.cors_origins:       # closed unless origins are named: no wildcard, no credentials
+        app.add_middleware(CORSMiddleware, allow_origins=k.settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     if ui:
         from kb.ui.app import mount
-        app = mount(app, k, lock)
+        app = mount(app, k, lock, tokens=app.state.tokens)
     return app
 
 

@@ -30,6 +30,13 @@ def build(kb, lock: threading.RLock | None = None) -> gr.Blocks:
     return blocks
 
 
-def mount(app, kb, lock: threading.RLock | None = None, path: str = PATH):
-    """Serve the UI under `path` of a FastAPI app; returns the app."""
-    return gr.mount_gradio_app(app, build(kb, lock), path=path)
+def mount(app, kb, lock: threading.RLock | None = None, path: str = PATH, tokens=None):
+    """Serve the UI under `path` of a FastAPI app; returns the app. With `tokens` (the server's
+    kb.server.auth.Tokens) that hold any, the UI asks for a login whose password is a write
+    token: everything the UI does, the API would need that token for."""
+    login = None
+    if tokens is not None and tokens.writes_need_token:
+        def login(username: str, password: str) -> bool:
+            return tokens.can_write(password)
+    return gr.mount_gradio_app(app, build(kb, lock), path=path, auth=login,
+                               auth_message="Sign in with your name and a write token of this server (KB_API_TOKENS).")
