@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ INDEXED_FIELDS = ("kind", "project", "status", "ref_id")      # what retrieval f
 ID_NAMESPACE = uuid.UUID("5b0f3c1e-8a7d-4c52-9a51-6e0b1f2d7c43")   # fixed forever: ids must not move
 SCROLL_PAGE = 2048
 BATCH = 512
+RETRIES = 5                 # attempts at a call a busy or restarting Qdrant server refused
+RETRY_BASE_S = 0.5          # doubled after each refusal: 0.5, 1, 2, 4 s
+TRANSIENT_STATUS = {429, 502, 503, 504}
 COPY_TRIES = 3          # copies of a folder being written before searching the last one anyway
 
 
@@ -323,22 +327,26 @@ def _edge_filter(where: dict | None):
 # ---- server: qdrant-client ----------------------------------------------------------------
 
 class ClientIndex:
-    """A collection reached through qdrant-client: a server, or its local / in-memory mode."""
+    """A collection reached through qdrant-client: a server, or its local / in-memory mode.
+
+    On a server: a keyword payload index for every field retrieval filters on, upserts and deletes
+    in batches of BATCH waited for, and calls that a busy or restarting server refuses (429, 5xx,
+    a dropped connection) retried with backoff; two replicas creating the collection at once both
+    go on with the one that won."""
 
     def __init__(self, client, collection: str, dim: int, *, model: str = ""):
         from qdrant_client import models
 
         self.client, self.collection = client, collection
-        if not client.collection_exists(collection):
-            client.create_collection(collection, vectors_config=models.VectorParams(
-                size=dim, distance=models.Distance.COSINE), metadata={"embedding_model": model, "dim": dim})
-            with warnings.catch_warnings():
-                # local mode warns that payload indexes do nothing there; on a server they do
-                warnings.simplefilter("ignore", UserWarning)
-                for name in INDEXED_FIELDS:
-                    client.create_payload_index(collection, name, models.PayloadSchemaType.KEYWORD)
-            return
-        config = client.get_collection(collection).config
+        if not self._call(client.collection_exists, collection):
+            try:
+                self._call(client.create_collection, collection, vectors_config=models.VectorParams(
+                    size=dim, distance=models.Distance.COSINE), metadata={"embedding_model": model, "dim": dim})
+            except Exception as exc:        # noqa: BLE001 - another replica may have created it first
+                if not self._call(client.collection_exists, collection):
+                    raise KBError(f"cannot create Qdrant collection {collection!r}: {exc}") from None
+        self._index_payload(models)
+        config = self._call(client.get_collection, collection).config
         have_dim = config.params.vectors.size
         have_model = (config.metadata or {}).get("embedding_model", model)
         if have_dim != dim or have_model != model:
@@ -347,29 +355,57 @@ class ClientIndex:
                           f"this process embeds with {model} (dim {dim}). Set KB_COLLECTION to a new "
                           f"name, or drop the collection and run `kb reindex`.")
 
+    def _index_payload(self, models) -> None:
+        """Keyword indexes on the filtered fields; creating one that exists is a no-op on a server."""
+        have = set((self._call(self.client.get_collection, self.collection).payload_schema or {}))
+        with warnings.catch_warnings():
+            # local mode warns that payload indexes do nothing there; on a server they do
+            warnings.simplefilter("ignore", UserWarning)
+            for name in INDEXED_FIELDS:
+                if name not in have:
+                    self._call(self.client.create_payload_index, self.collection, name,
+                               models.PayloadSchemaType.KEYWORD)
+
+    @staticmethod
+    def _call(fn, *args, **kwargs):
+        """fn(*args, **kwargs), retried while the server says it is busy or cannot be reached."""
+        from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
+        for attempt in range(RETRIES):
+            try:
+                return fn(*args, **kwargs)
+            except (UnexpectedResponse, ResponseHandlingException) as exc:
+                status = getattr(exc, "status_code", None)
+                transient = isinstance(exc, ResponseHandlingException) or status in TRANSIENT_STATUS
+                if not transient or attempt == RETRIES - 1:
+                    raise
+                wait = RETRY_BASE_S * 2 ** attempt
+                log.warning("Qdrant refused %s (%s); retrying in %.1f s", getattr(fn, "__name__", "a call"),
+                            status or type(exc).__name__, wait)
+                time.sleep(wait)
+
     def upsert(self, points: list[VectorPoint]) -> None:
         from qdrant_client import models
         for chunk in _batches(points):
-            self.client.upsert(self.collection, [models.PointStruct(
+            self._call(self.client.upsert, self.collection, [models.PointStruct(
                 id=qdrant_id(p.id), vector=_as_list(p.vector), payload=_payload(p)) for p in chunk], wait=True)
 
     def delete(self, ids: list[str]) -> None:
         from qdrant_client import models
         for chunk in _batches(list(ids)):
-            self.client.delete(self.collection, models.PointIdsList(points=[qdrant_id(i) for i in chunk]),
-                               wait=True)
+            self._call(self.client.delete, self.collection,
+                       models.PointIdsList(points=[qdrant_id(i) for i in chunk]), wait=True)
 
     def search(self, vector, limit: int = 10, where: dict | None = None) -> list[Hit]:
-        res = self.client.query_points(self.collection, query=_as_list(vector), query_filter=_client_filter(where),
-                                       limit=limit, with_payload=True)
+        res = self._call(self.client.query_points, self.collection, query=_as_list(vector),
+                         query_filter=_client_filter(where), limit=limit, with_payload=True)
         return [_hit(str(p.id), p.score, p.payload) for p in res.points]
 
     def fingerprints(self) -> dict[str, str]:
-        return _fingerprints(lambda offset: self.client.scroll(
-            self.collection, limit=SCROLL_PAGE, offset=offset, with_payload=[ID_FIELD, HASH_FIELD]))
+        return _fingerprints(lambda offset: self._call(
+            self.client.scroll, self.collection, limit=SCROLL_PAGE, offset=offset, with_payload=[ID_FIELD, HASH_FIELD]))
 
     def count(self) -> int:
-        return self.client.count(self.collection, exact=True).count
+        return self._call(self.client.count, self.collection, exact=True).count
 
     def close(self) -> None:
         self.client.close()

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -239,3 +240,46 @@ def test_server_collection_of_another_model_is_refused_not_dropped():
         ClientIndex(client, "kb", 16, model="model-b")
     assert ix.count() == 1
     ix.close()
+
+
+class BusyServer:
+    """A Qdrant server that refuses the first `refusals` calls of each kind with `status`, then
+    serves them from qdrant-client's in-memory mode: no server can run here, so its busy answers
+    are simulated (and said to be), while every call that succeeds is the real client's."""
+
+    def __init__(self, refusals: int, status: int = 503):
+        from qdrant_client import QdrantClient
+        self.real, self.refusals, self.status = QdrantClient(":memory:"), refusals, status
+        self.refused: dict[str, int] = {}
+        self.payload_indexes: list[str] = []
+
+    def __getattr__(self, name):
+        from qdrant_client.http.exceptions import UnexpectedResponse
+        method = getattr(self.real, name)
+
+        def call(*args, **kwargs):
+            if self.refused.get(name, 0) < self.refusals:
+                self.refused[name] = self.refused.get(name, 0) + 1
+                raise UnexpectedResponse(self.status, "busy", b"{}", httpx.Headers())
+            if name == "create_payload_index":
+                self.payload_indexes.append(args[1])
+            return method(*args, **kwargs)
+        return call
+
+
+def test_a_busy_server_is_retried_and_a_bad_request_is_not(monkeypatch):
+    from qdrant_client.http.exceptions import UnexpectedResponse
+
+    import kb.vectors as vectors
+    monkeypatch.setattr(vectors, "RETRY_BASE_S", 0.001)
+    busy = BusyServer(refusals=2)
+    ix = ClientIndex(busy, "kb", 8, model="m")
+    ix.upsert([VectorPoint(f"run:{i}", np.eye(8)[i], {"kind": "run", "project": "p", "ref_id": str(i)})
+               for i in range(3)])
+    assert ix.count() == 3 and busy.refused["upsert"] == 2
+    assert sorted(busy.payload_indexes) == sorted(vectors.INDEXED_FIELDS)       # every filtered field
+    assert [h.payload["ref_id"] for h in ix.search(np.eye(8)[1], limit=1, where={"project": "p"})] == ["1"]
+    with pytest.raises(UnexpectedResponse):
+        ClientIndex(BusyServer(refusals=1, status=400), "kb", 8, model="m")
+    with pytest.raises(UnexpectedResponse):          # still busy after every retry: the error stands
+        ClientIndex(BusyServer(refusals=vectors.RETRIES, status=503), "kb", 8, model="m")
