@@ -197,9 +197,12 @@ class TrainConfig:
 
     def same_experiment(self, other: dict) -> bool:
         """Whether a checkpoint's stored config is this one's (the data's paths aside)."""
-        mine = self.to_config()
-        strip = lambda c: {k: v for k, v in c.items() if k != "data"} | {"mixture": c["data"]["mixture"]}
-        return strip(mine) == strip(other)
+        def strip(config: dict) -> dict:
+            data = config.get("data")
+            mixture = data.get("mixture") if isinstance(data, dict) else None
+            return {k: v for k, v in config.items() if k != "data"} | {"mixture": mixture}
+        # a run from elsewhere may name no data at all: it is then no proxy run of this experiment
+        return strip(self.to_config()) == strip(other)
 
 
 def _option(path: tuple[str, ...]) -> str | None:

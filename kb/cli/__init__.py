@@ -59,8 +59,8 @@ def cli(ctx, home, database_url, verbose):
 
 
 def _register() -> None:
-    from kb.cli import ask, demo, jobs, loop, propose, report, runs, scaling, serve, track
-    for module in (runs, ask, track, demo, scaling, propose, report, jobs, loop, serve):
+    from kb.cli import ask, demo, jobs, loop, migrate, propose, report, runs, scaling, serve, track
+    for module in (runs, ask, track, demo, scaling, propose, report, jobs, loop, serve, migrate):
         module.register(cli)
 
 
