@@ -117,7 +117,7 @@ def writable(settings) -> bool:
 
 def _client_index(settings, dim: int) -> "ClientIndex":
     from qdrant_client import QdrantClient
-    client = QdrantClient(url=settings.qdrant_url, api_key=secret(settings.qdrant_api_key))
+    client = QdrantClient(url=settings.qdrant_url, api_key=secret(settings.qdrant_api_key) or None)
     return ClientIndex(client, settings.collection, dim, model=settings.embedding_model)
 
 

@@ -1,6 +1,8 @@
-"""`kb migrate --to URL`: move this knowledge base's SQL store into another database (the team's
+"""`kb migrate`: bring the store's schema to this version (what a deployment runs once at start);
+`kb migrate --to URL`: move this knowledge base's SQL store into another database (the team's
 PostgreSQL), then point the KB_* settings at it.
 
+    kb migrate                                            # schema at HEAD, then exit
     kb migrate --to postgresql://kb:kb@db.internal/kb
     KB_DATABASE_URL=postgresql://kb:kb@db.internal/kb KB_QDRANT_URL=http://qdrant:6333 kb reindex
 """
@@ -18,13 +20,22 @@ def register(cli: click.Group) -> None:
 
 
 @click.command()
-@click.option("--to", "to_url", required=True, metavar="URL",
-              help="The target database (SQLAlchemy URL); it must hold no runs yet.")
+@click.option("--to", "to_url", metavar="URL",
+              help="Copy into this database (SQLAlchemy URL), which must hold no runs yet.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows copied per table as JSON.")
 @click.pass_obj
 def migrate(obj, to_url, as_json):
-    """Copy every run, note, ablation, hypothesis and job into the database at --to, in one
-    transaction there. The vectors are rebuilt from SQL by `kb reindex` against the new store."""
+    """Bring the schema to this version; with --to, copy every run, note, ablation, hypothesis and
+    job into that database, in one transaction there (the vectors are rebuilt from SQL by
+    `kb reindex` against the new store)."""
+    if to_url is None:
+        from kb.db import HEAD
+        obj.kb()                      # opening a store migrates it, under a lock other processes share
+        if as_json:
+            emit_json({"schema": HEAD})
+        else:
+            click.echo(f"schema at {HEAD}")
+        return
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
