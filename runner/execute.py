@@ -4,7 +4,8 @@ through the ingest path, the job finished, and the hypothesis concluded when it 
     kb worker --job JOB_ID --token TOKEN      # what a backend runs (a subprocess, a Ray task, a Slurm job)
 
 The lease is renewed from a thread every `heartbeat_s` and at every eval (with the eval's
-metrics, which `kb jobs` and the worker's progress bars show). A renewal that finds the job
+metrics, which `kb jobs` and the worker's progress bars show, and the losses so far as a bounded
+curve, which the UI plots while the job runs). A renewal that finds the job
 cancelled, or the lease gone (it expired and the job was queued again), stops the training at
 its next step check. The training resumes from the checkpoints in the job's workdir, which is
 the same for every attempt, so a job whose worker was killed continues where it stopped.
@@ -29,6 +30,39 @@ from runner.queue import LEASE_S, Lease, finish, renew, retry_or_fail
 
 log = logging.getLogger(__name__)
 SOURCE_KIND = "runner"
+CURVE_POINTS = 200         # points per loss kept in a running job's progress: enough to draw, small to rewrite
+
+
+class LiveCurve:
+    """The losses of a running job at its evals, `progress["curve"]` = {key: [[step, value], ...]}.
+
+    Rewritten into the job's row at every eval, so it is bounded: a curve keeps the steps that
+    are multiples of its stride, and the stride doubles whenever more than `limit` points would
+    be kept, so the points stay evenly spaced over every step done; the latest point is always
+    there too. A resumed attempt starts from the curve the last one left, cut back to the
+    checkpoint's step."""
+
+    def __init__(self, start: dict | None = None, limit: int = CURVE_POINTS):
+        self.limit = limit
+        self.points: dict[str, list[list]] = {k: [list(p) for p in v] for k, v in (start or {}).items()
+                                               if isinstance(v, list)}
+        self.stride: dict[str, int] = {}
+
+    def add(self, step: int, metrics: dict) -> dict:
+        for key, value in metrics.items():
+            if "loss" not in key:       # lr and throughput are in progress["metrics"]; the curve is for losses
+                continue
+            points = self.points.setdefault(key, [])
+            stride = self.stride.setdefault(key, 1)
+            while points and points[-1][0] >= step:        # a resumed attempt goes over those steps again
+                points.pop()
+            if points and points[-1][0] % stride:          # kept only while it was the latest
+                points.pop()
+            points.append([step, value])
+            while len(points) > self.limit:
+                stride = self.stride[key] = stride * 2
+                points[:] = [p for p in points[:-1] if p[0] % stride == 0] + points[-1:]
+        return {k: [list(p) for p in v] for k, v in self.points.items()}
 
 
 def run_id_for(job_id: str) -> str:
@@ -85,8 +119,12 @@ def execute(kb, lease: Lease, *, lease_s: float = LEASE_S, heartbeat_s: float | 
         if beat.stop_reason:
             return _stopped(kb, lease, beat.stop_reason)
 
+        curve = LiveCurve(_last_curve(engine, lease))
+
         def on_eval(step: int, metrics: dict) -> None:
-            progress = {"step": int(step), "max_steps": spec.get("max_steps"), "metrics": _finite(metrics)}
+            finite = _finite(metrics)
+            progress = {"step": int(step), "max_steps": spec.get("max_steps"), "metrics": finite,
+                        "curve": curve.add(int(step), finite)}
             beat.beat(progress)
             if on_progress:
                 on_progress(lease.job_id, progress)
@@ -149,6 +187,14 @@ def write_back(kb, lease: Lease, record: dict) -> str:
     else:
         status, error = "succeeded", None
     return status if finish(kb.engine, lease, status, run_id=run_id, error=error) else ""
+
+
+def _last_curve(engine, lease: Lease) -> dict | None:
+    """The curve an earlier attempt of this job left in its progress (None on a first attempt)."""
+    if lease.attempt <= 1:
+        return None
+    from runner.queue import get
+    return (get(engine, lease.job_id).get("progress") or {}).get("curve")
 
 
 def _finite(metrics: dict) -> dict:
