@@ -55,6 +55,8 @@ class UI:
                 ref = params.get(kind)
                 if ref:
                     return {tabs: gr.Tabs(selected=link.tab), **link.show(ref)}
-            return {}
+            # an empty dict is one value to Gradio, not "no updates": with several outputs
+            # registered it fails ("didn't return enough output values") on every plain page load
+            return {tabs: gr.skip()}
 
         blocks.load(opened, inputs=None, outputs=outputs, show_progress="hidden")
