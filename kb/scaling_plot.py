@@ -2,6 +2,7 @@
 
     plot(fit, "law.png")      # matplotlib (Agg): a static image for a report or a README
     plot(fit, "law.html")     # plotly: hover over a point to see its run
+    plotly_figure(fit)        # the same plotly figure, for a page to draw
 
 A power law is loss against X on log-log axes. A Chinchilla law is loss against N with one
 curve per fifth of the runs by compute (6·N·D = C fixed at their median, over their range of
@@ -140,7 +141,17 @@ def _png(fig: Figure, path: Path) -> None:
     plt.close(f)
 
 
+def plotly_figure(fit: ScalingFit):
+    """The plotly figure `plot(fit, "law.html")` writes: points, fitted curve(s), interval band(s),
+    for a page that draws it itself (the UI's Scaling tab)."""
+    return _plotly(_figure(fit))
+
+
 def _html(fig: Figure, path: Path) -> None:
+    _plotly(fig).write_html(path, include_plotlyjs=True)     # one self-contained file, readable offline
+
+
+def _plotly(fig: Figure):
     import plotly.graph_objects as go
     from plotly.colors import sample_colorscale
 
@@ -168,4 +179,4 @@ def _html(fig: Figure, path: Path) -> None:
                       legend={"x": 0.01, "y": 0.01, "xanchor": "left", "yanchor": "bottom"})
     out.update_xaxes(type="log")
     out.update_yaxes(type="log")
-    out.write_html(path, include_plotlyjs=True)     # one self-contained file, readable offline
+    return out
