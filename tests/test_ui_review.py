@@ -35,7 +35,7 @@ def hypothesis(k, baseline: str, **over) -> dict:
                evidence=[baseline, "abl-lr-0123456789"], status="proposed", project="p", source="surrogate",
                predicted={"metric": "val/loss", "delta": -0.05, "interval": [-0.09, -0.01], "level": 0.95,
                           "method": "gp surrogate"},
-               risks=[f"lr 0.01: run-diverged diverged at step 30 with lr 0.02 (same project) [run-diverged]"],
+               risks=["lr 0.01: run-diverged diverged at step 30 with lr 0.02 (same project) [run-diverged]"],
                plan={"scales": [{"params": 1e5}], "seeds": 2, "steps": 40, "runs": 4, "why": "two seeds per side"})
     [h] = store(k.engine, [row | over])
     return h

@@ -108,7 +108,8 @@ def hypothesis_markdown(h: dict, baseline_config: dict | None = None, jobs: list
            f" · source {h.get('source') or '-'}" + (f" · goal: {h['goal']}" if h.get("goal") else "")]
     if h.get("rationale"):
         out.append(f"**Rationale.** {linked(h['rationale'])}")
-    out.append(f"**Change** on baseline {cite(h['baseline_run'], 'run')}:")
+    base = h.get("baseline_run")
+    out.append(f"**Change** on baseline {cite(base, 'run') if base else '(none named)'}:")
     out.append("| key | baseline | proposed |\n|---|---|---|\n"
                + "\n".join(f"| `{k}` | {old} | {new} |" for k, old, new in change_rows(h["change"], baseline_config)))
     evidence = h.get("evidence") or []
@@ -192,9 +193,9 @@ def build(ui) -> None:
         except KBError as exc:
             return problem(exc)
         try:
-            base = kb.run(h["baseline_run"]).config
+            base = kb.run(h["baseline_run"]).config if h.get("baseline_run") else None
         except NotFound:
-            base = None
+            base = None             # the diff shows "?" for the baseline's values
         return hypothesis_markdown(h, base, kb.jobs(hypothesis=ref))
 
     with gr.Row():
@@ -242,7 +243,10 @@ def build(ui) -> None:
                 message += f" Its jobs were not queued: {problem(exc)}"
             else:
                 waiting = [j for j in queued if j["status"] == "queued"]
-                message += (f" {len(waiting)} job(s) queued on {on}: " + ", ".join(cite(j["id"], "job") for j in queued)
+                held = len(queued) - len(waiting)
+                message += (f" {len(waiting)} job(s) queued on {on}"
+                            + (f" ({held} more answered by runs the store holds)" if held else "") + ": "
+                            + ", ".join(cite(j["id"], "job") for j in queued)
                             + (f". A worker runs them: `kb worker --backend {on}`." if waiting else "."))
         return message, detail(ref), table(filt)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import gradio as gr
 
 from kb.errors import KBError
-from kb.ui.hypotheses import cite, problem, result_markdown
+from kb.ui.hypotheses import cite, linked, problem, result_markdown
 
 ID, TITLE = "jobs", "Jobs"
 STATUSES = ("all", "queued", "running", "succeeded", "failed", "cancelled")
@@ -119,7 +119,6 @@ def curve_figure(curves: dict[str, list[list]], title: str = ""):
 def report_markdown(text: str) -> str:
     """A written report for the page: citations as links, its PNG figure (a file beside the
     Markdown, which the page cannot load) left out."""
-    from kb.ui.hypotheses import linked
     return linked(FIGURE.sub("", text))
 
 
@@ -246,9 +245,9 @@ def build(ui) -> None:
             return "Name a hypothesis (a job of one fills it in)."
         try:
             written = kb.report(ref=ref, out=str(Path(kb.settings.home) / "reports"))
-        except KBError as exc:
+            text = Path(written.markdown).read_text(encoding="utf-8")
+        except (KBError, OSError) as exc:           # OSError: a home this server cannot write to
             return problem(exc)
-        text = Path(written.markdown).read_text(encoding="utf-8")
         return report_markdown(text) + f"\n\n*Written to `{written.markdown}`.*"
 
     detail_outputs = [shown, plot, verdict, hyp, seen]
