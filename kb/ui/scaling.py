@@ -92,9 +92,9 @@ def fit_figure(fit, at: dict | None = None):
         x, across = at["at"].get(fit.meta.get("x") or "params"), None
     else:
         return fig
+    star = {"symbol": "star", "size": 16, "color": "crimson", "line": {"color": "black", "width": 1}}
     fig.add_trace(go.Scatter(x=[x], y=[p["value"]], mode="markers", name="compute-optimal" if optimal else "predicted",
-                             error_y=bar, error_x=across, marker={"symbol": "star", "size": 16, "color": "crimson",
-                                                  "line": {"color": "black", "width": 1}}))
+                             error_y=bar, error_x=across, marker=star))
     return fig
 
 
