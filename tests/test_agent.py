@@ -14,7 +14,7 @@ import pytest
 from agents.answer import compose, verify
 from agents.evidence import NO_EVIDENCE, Answer, Citation
 from agents.verify import Claim, matches, numbers_in, unsupported
-from kb.demo import example_history
+from tests.example_history import example_history
 from tests.conftest import BACKENDS, database
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,11 @@
-"""An example pretraining history for `kb demo`: learning-rate sweeps at two scales, a divergence,
-a loss spike, a norm ablation with seeds, and a postmortem note, written as the files a team
-would have (native JSONL + Markdown) and ingested through the real path.
+"""A synthetic pretraining history for the agent's tests (tests/test_agent.py): learning-rate sweeps
+at two scales, a divergence, a loss spike, a norm ablation with seeds, and a postmortem note,
+written as the files a team would have (native JSONL + Markdown) and ingested through the real path.
+
+    files = example_history(tmp_path / "history")      # [runs.jsonl, postmortem-lr-3e-3.md]
+
+`kb demo` shows a history the proxy trainer really trained (runner/demo_history.py); this one
+stays for the tests, whose questions name its ids (small-lr0.003, base-lr0.001, gpt-sweep).
 
 The curves are generated from a Chinchilla-style loss model, L(t) = E + A / t^a, with the
 learning rate moving the constant and the too-high rates blowing up; every run is tagged
