@@ -74,17 +74,33 @@ def serve_ui(home: Path, **env: str):
             server.wait(timeout=30)
 
 
+_CHROMIUM = {}       # one Playwright and one Chromium per process, however many modules import the fixture
+
+
+def _shared_chromium():
+    if "browser" not in _CHROMIUM:
+        import atexit
+
+        from playwright.sync_api import sync_playwright
+        playwright = sync_playwright().start()
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+
+        def close():
+            chromium.close()
+            playwright.stop()
+        atexit.register(close)
+        _CHROMIUM["browser"] = chromium
+    return _CHROMIUM["browser"]
+
+
 @pytest.fixture(scope="session")
 def browser():
+    """Chromium, shared: each module that imports this fixture registers its own copy of it, and
+    a second Playwright in one process fails ("Sync API inside the asyncio loop")."""
     if not Path(CHROMIUM).exists() or shutil.which(CHROMIUM) is None:
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; KB_TEST_CHROMIUM names another)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
+    pytest.importorskip("playwright.sync_api")
+    return _shared_chromium()
 
 
 @contextmanager
