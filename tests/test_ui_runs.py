@@ -142,7 +142,7 @@ def test_run_page_shows_failure_evidence_config_and_escapes_names():
            "anomalies": [{"kind": "loss_spike", "key": "val/loss", "step": 250, "value": 9.0, "evidence": "z=12"}],
            "ablations": [{"id": "abl-1", "factor": "config.optim.lr", "metric": "val/loss"}], "notes": "<b>hi</b>"}
     md = run_markdown(run)
-    assert "lr\\_3e-4 \\*big\\*" in md and "<b>" not in md
+    assert "lr\\_3e-4 \\*big\\*" in md and "<b>" not in md and "> &lt;b>hi&lt;/b>" in md
     assert "**Failure — diverged** at step 300" in md and "_(found in the log)_" in md
     assert "````text\na ``` b\nloss nan\n````" in md          # a fence the evidence cannot close
     assert "| `optim.lr` | 0.0003 |" in md and "[config.optim.lr](?ablation=abl-1)" in md
@@ -150,9 +150,9 @@ def test_run_page_shows_failure_evidence_config_and_escapes_names():
 
 
 def test_note_and_ablation_pages_link_their_runs():
-    note = note_markdown({"id": "note-1", "project": "p", "title": "Postmortem", "text": "It diverged.\n\nLR too high.",
+    note = note_markdown({"id": "note-1", "project": "p", "title": "Postmortem", "text": "It **diverged**.\n\nLR too high.",
                           "chunk": 0, "mentions": ["r1"], "source": {"kind": "markdown", "uri": "notes/pm.md"}})
-    assert "### Note: Postmortem" in note and "[r1](?run=r1)" in note and "> It diverged.\n>\n> LR too high." in note
+    assert "### Note: Postmortem" in note and "[r1](?run=r1)" in note and "> It **diverged**.\n>\n> LR too high." in note
     abl = ablation_markdown({"id": "abl-1", "project": "p", "factor": "config.optim.lr", "metric": "val/loss",
                              "baseline_run": "r1", "effect": {"seed_sigma": 0.01, "best": "r2"},
                              "variants": [{"value": 1e-3, "metric": 3.2, "baseline": True, "runs": ["r1"], "seeds": 1},
@@ -184,8 +184,9 @@ def test_failures_list_groups_by_kind_with_evidence_lines():
     assert md.index("#### oom · 2 runs") < md.index("#### diverged · 1 run")
     assert "[run a](?run=a)" in md and "<code>x &#124; &lt;y&gt;</code><br><code>Tried to allocate</code>" in md
     assert evidence_cell("") == "—"
-    counts = counts_markdown({"failures": {"oom": 2, "diverged": 1}, "anomalies": {}})
-    assert "**Failures: 3**" in counts and "| oom | diverged |" in counts and "**Anomalies: 0**" in counts
+    counts = counts_markdown({"oom": 2, "loss_spike": 1}, "Failures")
+    assert counts.startswith("**Failures · 3**") and "| oom | 2 |\n| loss spike | 1 |" in counts
+    assert counts_markdown({}, "Anomalies") == "**Anomalies · 0**\n\n_none_"
     assert esc("a|b") == "a\\|b"
 
 
@@ -239,5 +240,5 @@ def test_failures_tab_lists_the_diverged_run_with_its_evidence(browser, served, 
         assert listed.locator(f"a[href='?run={DIVERGED}']").is_visible()
         for line in EVIDENCE:
             assert listed.get_by_text(line).is_visible()
-        assert page.locator("#kb-failures-counts").get_by_text("Failures: 1").is_visible()
+        assert page.locator("#kb-failures-counts").get_by_text("Failures · 1").is_visible()
         shot(page, "failures", tmp_path)

@@ -81,9 +81,9 @@ def build(ui) -> None:
     with gr.Row():
         box = gr.Textbox(placeholder="e.g. Which learning rate diverged at 350M?", show_label=False,
                          scale=8, lines=1, max_lines=4, autofocus=True, elem_id="kb-chat-input")
-        ask = gr.Button("Ask", variant="primary", scale=0, min_width=100)
-        propose = gr.Button("Propose experiments", scale=0, min_width=190)
-        clear = gr.Button("New conversation", scale=0, min_width=170)
+        ask = gr.Button("Ask", variant="primary", size="md", scale=0, min_width=100)
+        propose = gr.Button("Propose experiments", size="md", scale=0, min_width=190)
+        clear = gr.Button("New conversation", size="md", scale=0, min_width=170)
 
     def respond(message: str, history: list, state):
         message = (message or "").strip()

@@ -21,16 +21,11 @@ EVIDENCE_CHARS = 160
 ALL = "all kinds"
 
 
-def counts_markdown(counts: Mapping[str, Mapping[str, int]]) -> str:
-    """Failures by kind and anomalies by kind, each a one-row table of counts (most frequent first)."""
-    parts = []
-    for title, key in (("Failures", "failures"), ("Anomalies", "anomalies")):
-        found = counts.get(key) or {}
-        parts.append(f"**{title}: {sum(found.values())}**")
-        if found:
-            parts += ["", md_table([esc(k.replace("_", " ")) for k in found], [[str(n) for n in found.values()]])]
-        parts.append("")
-    return "\n".join(parts)
+def counts_markdown(counts: Mapping[str, int], title: str) -> str:
+    """`title` and its total, then a table of the count of each kind, the most frequent first."""
+    total = sum(counts.values())
+    table = md_table(["kind", "count"], ([esc(k.replace("_", " ")), str(n)] for k, n in counts.items()))
+    return f"**{title} · {total}**\n\n" + (table or "_none_")
 
 
 def evidence_cell(evidence: str) -> str:
@@ -83,7 +78,9 @@ def build(ui) -> None:
         kind = gr.Dropdown(label="Kind", choices=[ALL], value=ALL, scale=3, elem_id="kb-failures-kind")
         project = gr.Textbox(label="Project", placeholder="all projects", scale=3)
         refresh = gr.Button("Refresh", scale=0, min_width=100)
-    counts = gr.Markdown(elem_id="kb-failures-counts")
+    with gr.Row():
+        failure_counts = gr.Markdown(elem_id="kb-failures-counts")
+        anomaly_counts = gr.Markdown(elem_id="kb-anomalies-counts")
     with gr.Tabs():
         with gr.Tab("Failures"):
             failures = gr.Markdown(elem_id="kb-failures-list")
@@ -98,10 +95,10 @@ def build(ui) -> None:
         only = None if chosen == ALL else chosen
         fails = ui.kb.failures(kind=only, project=proj, limit=SHOWN) if only is None or only in found["failures"] else []
         anoms = ui.kb.anomalies(kind=only, project=proj, limit=SHOWN) if only is None or only in found["anomalies"] else []
-        return (gr.Dropdown(choices=[ALL] + kinds, value=chosen), counts_markdown(found),
-                failures_markdown(fails), anomalies_markdown(anoms))
+        return (gr.Dropdown(choices=[ALL] + kinds, value=chosen), counts_markdown(found["failures"], "Failures"),
+                counts_markdown(found["anomalies"], "Anomalies"), failures_markdown(fails), anomalies_markdown(anoms))
 
-    outputs = [kind, counts, failures, anomalies]
+    outputs = [kind, failure_counts, anomaly_counts, failures, anomalies]
     refresh.click(load, [kind, project], outputs)
     kind.input(load, [kind, project], outputs)
     project.submit(load, [kind, project], outputs)

@@ -170,7 +170,8 @@ def config_diff_markdown(configs: Mapping[str, Mapping]) -> str:
     headers, rows = config_diff(configs)
     if not rows:
         return "_The selected runs have identical configs._"
-    return md_table([esc(h) for h in headers], ([f"`{r[0]}`"] + [esc(c) for c in r[1:]] for r in rows))
+    return (f"**Config keys that differ** ({len(rows)})\n\n"
+            + md_table([esc(h) for h in headers], ([f"`{r[0]}`"] + [esc(c) for c in r[1:]] for r in rows)))
 
 
 # ---- one record ----------------------------------------------------------------------------
@@ -295,9 +296,10 @@ def _verdict(variant: Mapping, sigma: float | None) -> str:
 
 
 def blockquote(text: str) -> str:
-    """Free text (a note, a run's notes) quoted: markup escaped, paragraphs kept."""
-    paras = [p for p in re.split(r"\n\s*\n", str(text)) if p.strip()]
-    return "\n>\n".join("> " + esc(p) for p in paras) or f"> {NONE}"
+    """Free text (a note, a run's notes) quoted. Notes are Markdown, so their emphasis and lists
+    render; raw HTML is not let in (`<` shown as written)."""
+    lines = str(text).strip().replace("<", "&lt;").splitlines()
+    return "\n".join(f"> {ln}".rstrip() for ln in lines) or f"> {NONE}"
 
 
 def record_markdown(kind: str, record: Mapping) -> str:

@@ -12,7 +12,7 @@ this tab; ?note=, ?ablation= and ?failure= open those records in the same panel.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Mapping
 
 import gradio as gr
 
@@ -136,6 +136,8 @@ def build(ui) -> None:
                               limit=int(n) if n else LIMIT)
         except QueryError as exc:
             return {problem: gr.Markdown(query_error_markdown(str(exc)), visible=True)}
+        except KBError as exc:
+            return {problem: gr.Markdown(f"**Could not list runs:** {esc(exc)}", visible=True)}
         runs = [r.model_dump(mode="json") for r in runs]
         info = {r["id"]: {"name": r.get("name"), "curves": list(r.get("stats") or {}),
                           "canonical": r.get("canonical") or {}, "config": r.get("config") or {}} for r in runs}
@@ -194,7 +196,7 @@ def build(ui) -> None:
     selected.change(compare, [selected, known, metric, smoothing, log_y, log_x], [metric, plot, diff])
     gr.on([metric.input, smoothing.release, log_y.input, log_x.input], redraw,
           [selected, metric, smoothing, log_y, log_x], plot)
-    table.select(open_row, None, [panel, record_md, record_plot])
+    table.select(open_row, None, [panel, record_md, record_plot], scroll_to_output=True)
     close.click(lambda: gr.Column(visible=False), None, panel)
     for kind in RECORD_KINDS:
         ui.link(kind, ID, lambda ref, kind=kind: show(kind, ref), [panel, record_md, record_plot])
