@@ -139,7 +139,8 @@ def build(ui) -> None:
         yield from proposals(goal, list(history or []) + [{"role": "user", "content": shown}], state)
 
     def example(evt: gr.SelectData, history: list, state):
-        yield from respond(evt.value["text"], history, state)
+        value = evt.value
+        yield from respond(value.get("text", "") if isinstance(value, dict) else str(value), history, state)
 
     outputs = [chatbot, box, agent]
     ask.click(respond, [box, chatbot, agent], outputs)
