@@ -2,7 +2,7 @@
 at two depths whose highest rate diverges, a positional-encoding ablation with three seeds a side,
 a data-mixture variation, and two notes written from what the runs measured.
 
-    python -m runner.demo_history kb/demo_history          # what the package ships (about a minute)
+    python -m runner.demo_history kb/demo_history          # what the package ships (1-2 min on 2 cores)
     files = generate(Path("out"), steps=150, say=print)     # [out/runs.jsonl, out/notes/*.md]
 
 Runs are native records as runner.train writes them (curves, failure, resolved config,
@@ -11,10 +11,9 @@ history updates the same runs. Every run is tagged `demo`. Project `demo-gpt` ho
 the ablation; the mixture runs are project `demo-mix`, because a mixture law is fitted over all of
 a project's runs (kb.mixture) and the sweep's other rates and depths would read as mixture noise.
 
-Everything trains on one CPU thread (the tiny models gain nothing from more, and `kb demo` runs
-beside other work). `steps` scales the whole history (KB_DEMO_STEPS in `kb demo --fresh`: tests use
-a few steps); the rates that diverge do so at any length, since the lr of 1 is past the edge
-from the first steps after warmup.
+Each training runs in a process of its own on one CPU thread, two at a time (the tiny models gain
+nothing from a second thread; a second process uses the second core). `steps` scales the whole history (KB_DEMO_STEPS in `kb demo --fresh`: tests use
+a few steps); the lr=1 runs diverge at any length: they blow up within their first 15 steps.
 """
 from __future__ import annotations
 

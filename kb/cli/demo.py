@@ -55,7 +55,7 @@ def demo(obj, port, no_serve, fresh, open_browser, as_json):
     from kb.cli.serve import run_server
 
     def ready(url: str) -> None:
-        steps.say(f"serving the UI (Ctrl-C stops it)")
+        steps.say("serving the UI (Ctrl-C stops it)")
         click.echo(f"\nopen {url}/ui/\n{TRY}")
 
     run_server(obj, "127.0.0.1", port, ui=True, open_browser=open_browser, before=ready)
