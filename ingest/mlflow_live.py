@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from kb.db import WriteBatch
-from kb.errors import InvalidRecord, NotFound
+from kb.errors import AlreadyExists, InvalidRecord, NotFound
 from kb.models import MlflowExperiment, MlflowPoint, MlflowRun
 from kb.records import INT64, MAX_NAME, parse_run, text_problem
 
@@ -114,7 +114,7 @@ class LiveRuns:
                 s.flush()
                 return _experiment(row)
         except IntegrityError:
-            raise InvalidRecord(f"an experiment named {name!r} exists already", field="name") from None
+            raise AlreadyExists(f"an experiment named {name!r} exists already", field="name") from None
 
     def _ensure_default(self) -> None:
         """MLflow's experiment 0, "Default", made on first use (once, however many ask at once)."""

@@ -21,6 +21,11 @@ class InvalidRecord(KBError):
         return {"source": self.source, "line": self.line, "field": self.field, "error": self.error}
 
 
+
+class AlreadyExists(InvalidRecord):
+    """A record that must be unique (an MLflow experiment's name) is there already: MLflow's
+    clients read this as RESOURCE_ALREADY_EXISTS and take the existing one."""
+
 class QueryError(KBError):
     """A --where or --sort expression that does not parse or names an unknown key."""
 

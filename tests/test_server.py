@@ -232,7 +232,7 @@ def test_mlflow_experiments_runs_and_their_errors(client, server_settings):
     assert exp["name"] == "e1" and exp["tags"] == [{"key": "team", "value": "a"}]
     assert client.get(f"{MLFLOW}/experiments/get-by-name", params={"experiment_name": "e1"}).json()["experiment"] == exp
     dup = client.post(f"{MLFLOW}/experiments/create", json={"name": "e1"})
-    assert dup.status_code == 400 and dup.json()["error_code"] == "INVALID_PARAMETER_VALUE"
+    assert dup.status_code == 400 and dup.json()["error_code"] == "RESOURCE_ALREADY_EXISTS"
     default = client.get(f"{MLFLOW}/experiments/get", params={"experiment_id": "0"}).json()["experiment"]
     assert default["name"] == "Default"
     assert client.get(f"{MLFLOW}/experiments/get", params={"experiment_id": "x"}).status_code == 404

@@ -26,7 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kb.errors import (IndexUnavailable, InvalidRecord, KBError, LLMError, NotFound, QueryError,
+from kb.errors import (AlreadyExists, IndexUnavailable, InvalidRecord, KBError, LLMError, NotFound, QueryError,
                        ReadOnlyStore, UnknownFormat)
 from kb.records import json_safe
 from kb.server.auth import Tokens, Unauthorized, reader
@@ -148,10 +148,11 @@ def one_line(message: str) -> str:
     return lines[0] if lines else "(no message)"
 
 
-def error(request: Request, status: int, message: str, headers: dict | None = None) -> KBJSON:
+def error(request: Request, status: int, message: str, headers: dict | None = None,
+          mlflow_code: str | None = None) -> KBJSON:
     message = one_line(message)
     if request.url.path.startswith(MLFLOW_PREFIX):
-        body = {"error_code": MLFLOW_CODES.get(status, "INTERNAL_ERROR"), "message": message}
+        body = {"error_code": mlflow_code or MLFLOW_CODES.get(status, "INTERNAL_ERROR"), "message": message}
     else:
         body = {"detail": message}
     return KBJSON(body, status_code=status, headers=headers)
@@ -164,7 +165,9 @@ def _handle_errors(app: FastAPI) -> None:
         if status >= 500:
             log.error("%s %s: %s", request.method, request.url.path, exc)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        return error(request, status, str(exc), headers)
+        # MLflow's set_experiment takes the existing experiment on this code (two clients racing)
+        code = "RESOURCE_ALREADY_EXISTS" if isinstance(exc, AlreadyExists) else None
+        return error(request, status, str(exc), headers, code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
