@@ -133,7 +133,7 @@ def _numeric_leaves(config: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[st
         path = prefix + (str(k),)
         if isinstance(v, dict):
             out.update(_numeric_leaves(v, path))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k not in SEED_KEYS:
+        elif _is_number(v) and math.isfinite(v) and k not in SEED_KEYS and not _in_mixture(path):
             out[path] = v
     return out
 
@@ -144,9 +144,19 @@ def _fixed_leaves(config: dict, prefix: tuple[str, ...] = ()) -> tuple:
         path = prefix + (str(k),)
         if isinstance(v, dict):
             out += _fixed_leaves(v, path)
-        elif not (isinstance(v, (int, float)) and not isinstance(v, bool)) and k not in SEED_KEYS:
+        elif (not _is_number(v) or _in_mixture(path)) and k not in SEED_KEYS:
             out.append((path, repr(v)))
     return tuple(out)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _in_mixture(path: tuple[str, ...]) -> bool:
+    """A data-mixture weight: the weights sum to one, so no one of them moves alone (the mixture
+    source, agents.proposal_sources.mixture_candidates, proposes whole mixtures)."""
+    return "mixture" in path[:-1]
 
 
 def search_groups(history: History, project: str | None = None) -> list[Group]:

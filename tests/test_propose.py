@@ -242,6 +242,9 @@ def test_a_project_that_varies_its_mixture_gets_its_best_mixture(kb):
             "metrics": {"val/loss": [[0, 9.0], [1000, round(loss, 6)]]}})
     kb.ingest_records(runs, index=False)
     found = kb.propose(n=3, project="mix")
+    for other in found:           # whatever proposes it, a mixture stays a mixture: weights in [0, 1] summing to 1
+        changed = apply_change(kb.run(other["baseline_run"]).config, other["change"])["data"]["mixture"]
+        assert abs(sum(changed.values()) - 1) < 1e-9 and all(0 <= w <= 1 for w in changed.values()), other
     h = next(h for h in found if h["source"] == "mixture")
     assert all(k.startswith("data.mixture.") for k in h["change"])
     mixture = apply_change(kb.run(h["baseline_run"]).config, h["change"])["data"]["mixture"]
