@@ -219,7 +219,7 @@ def bench_store(k, sizes: list[int], args, label: str) -> list[dict]:
         steps.append(step)
         print(f"  {label} {size:,} runs: ingest {step['ingest']['points_per_s']:,} points/s, "
               f"runs p50 {max(q['p50_ms'] for q in step['query'].values()):.1f} ms (worst filter), "
-              f"retrieval p50 {step.get('retrieval', {}).get('p50_ms', float('nan')):.1f} ms, "
+              f"retrieval p50 {step['retrieval']['p50_ms'] if 'retrieval' in step else '-'} ms, "
               f"ask p50 {step['ask']['p50_ms']:.1f} ms", flush=True)
     return steps
 
@@ -415,7 +415,7 @@ def plot(result: dict, path: Path) -> None:
             (line,) = ax.plot(ns, ys, styles[db], color=f"C{j}", marker="o", label=f"{db} {label}")
             firsts.append(ys[0])
             proj = g.get(f"runs_p50_ms[{label}]")
-            if proj:
+            if proj and proj["projection_at_1m"] > 0:        # a fit falling to 0 is not drawn
                 ax.plot([ns[-1], PROJECT_TO], [ys[-1], proj["projection_at_1m"]], ":", color=line.get_color(),
                         alpha=0.5)
     all_n = sorted({s["runs"] for _, steps, _ in series for s in steps} | {PROJECT_TO})
