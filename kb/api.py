@@ -260,7 +260,8 @@ class KnowledgeBase:
     def embedder(self):
         if self._embedder is None:
             from kb.embed import load_embedder
-            self._embedder = load_embedder(self.settings.embedding_model, threads=self.settings.threads)
+            self._embedder = load_embedder(self.settings.embedding_model, threads=self.settings.threads,
+                                           backend=self.settings.embedding_backend)
         return self._embedder
 
     @property

