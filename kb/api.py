@@ -173,7 +173,7 @@ class KnowledgeBase:
             with Session(self.engine) as s, s.begin():
                 drop_chunks_beyond(s, uri, n)      # a document that got shorter
         refresh_all(self.engine)       # after the runs' commit; also what a crash left queued
-        if self.engine.dialect.name == "postgresql" and report.added + report.updated > ANALYZE_AFTER:
+        if self.engine.dialect.name == "postgresql" and report.added + report.updated >= ANALYZE_AFTER:
             # fresh statistics after a bulk load, in case autovacuum is off or behind
             with self.engine.connect() as conn:
                 conn.execute(text("ANALYZE runfield"))
