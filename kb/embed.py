@@ -78,11 +78,16 @@ def embedding_dim(model: str, threads: int = 1) -> int:
     return load_embedder(model, threads).dim
 
 
-@functools.lru_cache(maxsize=None)
 def load_embedder(model: str = DEFAULT_MODEL, threads: int = 1, backend: str = "torch",
                   cache_dir: str | None = None):
     """Load once per process per arguments; later calls return the same embedder.
     `cache_dir` holds ONNX exports (default: the user cache dir, see kb.onnx_embed)."""
+    # one cache key however the arguments are spelled (positional or keyword)
+    return _load(model, threads, backend, cache_dir)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(model: str, threads: int, backend: str, cache_dir: str | None):
     if backend not in BACKENDS:
         raise ValueError(f"unknown embedding backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "torch":
@@ -91,7 +96,7 @@ def load_embedder(model: str = DEFAULT_MODEL, threads: int = 1, backend: str = "
         import onnxruntime  # noqa: F401
     except ImportError:
         log.warning("embedding backend %s needs onnxruntime, which is not installed: using torch", backend)
-        return load_embedder(model, threads, "torch")
+        return _load(model, threads, "torch", None)
     from kb.onnx_embed import load_onnx_embedder
 
     try:
@@ -101,7 +106,7 @@ def load_embedder(model: str = DEFAULT_MODEL, threads: int = 1, backend: str = "
     except Exception as e:     # an architecture the exporter cannot trace must not stop an ingest
         log.warning("embedding backend %s failed for %s (%s: %s): using torch",
                     backend, model, type(e).__name__, e)
-        return load_embedder(model, threads, "torch")
+        return _load(model, threads, "torch", None)
 
 
 def _load_sentence_transformer(model: str, threads: int):
