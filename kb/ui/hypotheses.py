@@ -20,7 +20,7 @@ import gradio as gr
 from kb.errors import KBError, NotFound
 from kb.fields import lookup
 from kb.hypotheses import split_key
-from kb.ui.context import href
+from kb.ui.records import link, problem
 
 ID, TITLE = "hypotheses", "Hypotheses"
 STATUSES = ("proposed", "approved", "rejected", "running", "done", "all")
@@ -40,18 +40,12 @@ def kind_of(ref: str) -> str:
 
 def cite(ref: str, kind: str | None = None) -> str:
     """A Markdown link to a record's page: [run-1](?run=run-1)."""
-    return f"[{ref}]({href(kind or kind_of(ref), ref)})"
+    return link(kind or kind_of(ref), ref)
 
 
 def linked(text: str) -> str:
     """Text whose citations ([run-1], [abl-lr-...]) are links to their records."""
     return CITATION.sub(lambda m: cite(m.group(1)), text)
-
-
-def problem(exc: Exception) -> str:
-    """An error as the tab shows it: its first line, and the rest (a query's caret) as code."""
-    first, _, rest = str(exc).partition("\n")
-    return f"**{type(exc).__name__}:** {first}" + (f"\n\n```\n{rest}\n```" if rest.strip() else "")
 
 
 # ---- layout -------------------------------------------------------------------------------------

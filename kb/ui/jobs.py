@@ -18,7 +18,8 @@ from pathlib import Path
 import gradio as gr
 
 from kb.errors import KBError
-from kb.ui.hypotheses import cite, linked, problem, result_markdown
+from kb.ui.hypotheses import cite, linked, result_markdown
+from kb.ui.records import problem
 
 ID, TITLE = "jobs", "Jobs"
 STATUSES = ("all", "queued", "running", "succeeded", "failed", "cancelled")

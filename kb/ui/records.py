@@ -70,6 +70,18 @@ def code_block(text: str, lang: str = "") -> str:
     return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
 
 
+def problem_markdown(label: str, message: str) -> str:
+    """An error as a tab shows it: its first line as text, its later lines (a query and the caret
+    under its column) in a monospace block, so the caret stays under the character it points at."""
+    first, _, rest = str(message).partition("\n")
+    out = f"**{label}:** {esc(first)}"
+    return out + ("\n\n" + code_block(rest.rstrip("\n"), "text") if rest.strip() else "")
+
+
+def problem(exc: Exception) -> str:
+    return problem_markdown(type(exc).__name__, str(exc))
+
+
 def link(kind: str, ref: str, label: str | None = None) -> str:
     return f"[{esc(label or ref)}]({href(kind, ref)})"
 

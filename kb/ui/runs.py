@@ -18,7 +18,7 @@ import gradio as gr
 
 from kb.errors import KBError, NotFound, QueryError
 from kb.ui.curves import Mark, Series, curves_figure
-from kb.ui.records import code_block, config_diff_markdown, esc, record_markdown, runs_table, table_metrics
+from kb.ui.records import config_diff_markdown, esc, problem_markdown, record_markdown, runs_table, table_metrics
 from kb.vocab import metric_name
 
 log = logging.getLogger(__name__)
@@ -31,11 +31,7 @@ RECORD_KINDS = ("run", "note", "ablation", "failure")
 
 
 def query_error_markdown(message: str) -> str:
-    """A QueryError's message: its first line as text, the query and the caret under the column
-    (its later lines) in a monospace block, so the caret stays under the character it points at."""
-    first, _, rest = str(message).partition("\n")
-    out = f"**Query error:** {esc(first)}"
-    return out + ("\n\n" + code_block(rest.rstrip("\n"), "text") if rest.strip() else "")
+    return problem_markdown("Query error", message)
 
 
 def run_label(run: Mapping) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 from kb.errors import InvalidRecord, KBError
 from kb.scaling import prediction
 from kb.scaling_plot import plotly_figure
-from kb.ui.hypotheses import problem
+from kb.ui.records import problem
 
 ID, TITLE = "scaling", "Scaling"
 FORMS = ("chinchilla", "power")
