@@ -41,7 +41,8 @@ def copy_store(source: Engine, target: Engine, progress: Callable[[str, int], No
     copied: dict[str, int] = {}
     with source.connect() as src, target.begin() as dst:
         for table in tables:
-            dst.execute(table.delete())           # derived rows a fresh schema may hold (none today)
+            # rows no user wrote may be there (the MLflow "Default" experiment a server makes)
+            dst.execute(table.delete())
             n = 0
             for page in src.execution_options(yield_per=PAGE).execute(select(table)).mappings().partitions(PAGE):
                 dst.execute(table.insert(), [dict(row) for row in page])

@@ -345,19 +345,18 @@ class ClientIndex:
             except Exception as exc:        # noqa: BLE001 - another replica may have created it first
                 if not self._call(client.collection_exists, collection):
                     raise KBError(f"cannot create Qdrant collection {collection!r}: {exc}") from None
-        self._index_payload(models)
-        config = self._call(client.get_collection, collection).config
-        have_dim = config.params.vectors.size
-        have_model = (config.metadata or {}).get("embedding_model", model)
+        info = self._call(client.get_collection, collection)
+        have_dim = info.config.params.vectors.size
+        have_model = (info.config.metadata or {}).get("embedding_model", model)
         if have_dim != dim or have_model != model:
             # a shared server collection is not ours to drop: say what to do instead
             raise KBError(f"Qdrant collection {collection!r} holds {have_model} vectors (dim {have_dim}); "
                           f"this process embeds with {model} (dim {dim}). Set KB_COLLECTION to a new "
                           f"name, or drop the collection and run `kb reindex`.")
+        self._index_payload(models, set(info.payload_schema or {}))
 
-    def _index_payload(self, models) -> None:
-        """Keyword indexes on the filtered fields; creating one that exists is a no-op on a server."""
-        have = set((self._call(self.client.get_collection, self.collection).payload_schema or {}))
+    def _index_payload(self, models, have: set[str]) -> None:
+        """Keyword indexes on the filtered fields the collection lacks (`have`: those it has)."""
         with warnings.catch_warnings():
             # local mode warns that payload indexes do nothing there; on a server they do
             warnings.simplefilter("ignore", UserWarning)

@@ -81,9 +81,8 @@ def run_server(obj, host: str, port: int, *, ui: bool = True, open_browser: bool
 
     from kb.server.app import create_app
     bound = sock.getsockname()[1]
-    shown = f"[{host}]" if ":" in host else host
-    click.echo(f"kb serve: http://{shown}:{bound} (API /api, OpenAPI /openapi.json, "
-               f"MLflow tracking URI http://{shown}:{bound})", err=True)
+    url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+    click.echo(f"kb serve: {url} (API /api, OpenAPI /openapi.json, MLflow tracking URI {url})", err=True)
     if settings.tokens or settings.read_tokens:
         reads = (f"reads need one too ({len(settings.read_tokens)} read-only in KB_API_READ_TOKENS)"
                  if settings.read_tokens else "reads are open")
@@ -91,13 +90,13 @@ def run_server(obj, host: str, port: int, *, ui: bool = True, open_browser: bool
     else:
         click.echo("no KB_API_TOKENS set: listening on loopback only, and writes need no token", err=True)
     if ui:
-        click.echo(f"UI: http://{shown}:{bound}/ui/", err=True)
+        click.echo(f"UI: {url}/ui/", err=True)
     app = create_app(obj.kb(), ui=ui)
     if before is not None:
-        before(f"http://{shown}:{bound}")
+        before(url)
     if open_browser:
         import webbrowser
-        threading.Timer(1.0, webbrowser.open, (f"http://{shown}:{bound}/ui/",)).start()
+        threading.Timer(1.0, webbrowser.open, (f"{url}/ui/",)).start()
     config = uvicorn.Config(app, log_level="info" if obj.verbose else "warning", access_log=obj.verbose)
     # uvicorn shuts down on SIGINT or SIGTERM, then raises the signal again for the handler it
     # found: a no-op for SIGTERM and a caught KeyboardInterrupt for Ctrl-C end the command
