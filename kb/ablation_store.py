@@ -1,6 +1,6 @@
 """Ablations kept in SQL as runs come and change, at a cost that follows the change, not the project.
 
-A run write queues the run (`queue_run`, in the run's own transaction, so a crash loses nothing).
+A run write queues the run (`queue_runs`, in the run's own transaction, so a crash loses nothing).
 `refresh` takes the queue and recomputes only the buckets (kb.ablations) the queued runs were in,
 through their ablations, and are in now, found by looking their bucket hashes up:
 
@@ -14,18 +14,20 @@ through their ablations, and are in now, found by looking their bucket hashes up
 Writers never wait on each other's refresh inside their own transaction: the refresh runs after
 their runs commit, one at a time (a Postgres advisory lock, SQLite's write lock), and reads
 the queue only once it holds the lock, so the last refresh sees every run committed before it.
-The result equals a recomputation from scratch (`rebuild`; tests/test_concurrency.py).
+The result equals a recomputation from scratch (`rebuild`; tests/test_concurrency.py), which is
+also what a project mostly made of queued runs gets (a bulk load of a new project): cheaper there.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, Iterator
+from typing import Iterable
 
-from sqlalchemy import and_, delete, insert, select, text, update
+from sqlalchemy import and_, delete, func, insert, select, text, update
 from sqlalchemy.engine import Connection, Engine
 
 from kb.ablations import (TAG, Config, bucket_ablations, covered_by, find_ablations, group_runs, name_of,
                           run_fields, signed, tag_ablation, tagged_factors)
+from kb.db import bulk_insert, chunked
 from kb.fields import FIELD_COLUMNS, canonical, field_tuples
 from kb.indexer import queue_refs
 from kb.models import Ablation, AblationPending, AblationRun, AblationSig, Run, RunField
@@ -35,8 +37,8 @@ from kb.query_sql import codepoint
 # serves (LIKE is case-blind on SQLite, so no index can)
 ABLATION_FIELDS = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunField.key) < "ablations/")
 LOCK_KEY = 7243002          # Postgres advisory lock of the refresh (7243001 guards migrations)
-CHUNK = 500                 # ids per IN list (Postgres takes 65,535 parameters, old SQLite 999)
 REFRESH_BATCH = 500         # queued runs per refresh transaction (~1 s: 2 ms a run at 10,000 runs)
+WHOLE_REBUILD_MAX = 5000    # runs in a project rebuilt whole in one transaction (~0.7 ms a run)
 
 _RUNS = Run.__table__
 _ABL = Ablation.__table__
@@ -48,9 +50,10 @@ _READ = (_RUNS.c.id, _RUNS.c.project, _RUNS.c.config, _RUNS.c.summary, _RUNS.c.t
 _ABL_READ = (_ABL.c.id, _ABL.c.project, _ABL.c.factor, _ABL.c.bucket, _ABL.c.variants)
 
 
-def queue_run(conn: Connection, run_id: str) -> None:
-    """Mark a run's ablations for the next refresh (call it in the transaction that writes the run)."""
-    conn.execute(insert(_QUEUE), {"run_id": run_id, "project": None})
+def queue_runs(conn: Connection, run_ids: list[str]) -> None:
+    """Mark runs' ablations for the next refresh (call it in the transaction that writes the runs)."""
+    if run_ids:
+        conn.execute(insert(_QUEUE), [{"run_id": r, "project": None} for r in run_ids])
 
 
 def queue_project(conn: Connection, project: str) -> None:
@@ -81,16 +84,41 @@ def refresh(conn: Connection, limit: int | None = None) -> int:
     if not queued:
         return 0
     whole = {q.project for q in queued if q.run_id is None}
+    runs = {q.run_id for q in queued if q.run_id is not None}
+    mostly_new, taken_with = _mostly_queued(conn, runs)
+    whole |= mostly_new
     for project in sorted(whole):
         rebuild(conn, project)
-    runs = {q.run_id for q in queued if q.run_id is not None}
     if runs:
         _Refresh(conn, whole).run(runs)
     # exactly the entries read: one queued meanwhile by a writer that committed after the read
     # (ids are not committed in order on Postgres) stays for the next refresh
-    for chunk in _chunks([q.id for q in queued]):
+    for chunk in chunked(sorted({q.id for q in queued} | set(taken_with))):
         conn.execute(delete(_QUEUE).where(_QUEUE.c.id.in_(chunk)))
     return len(queued)
+
+
+def _mostly_queued(conn: Connection, runs: set[str]) -> tuple[set[str], list[int]]:
+    """Projects of the queued runs that are mostly queued (a bulk load of a new project) and small
+    enough to rebuild in one transaction: a rebuild costs half what the incremental refresh of the
+    same runs does. Returns them and their other queue entries, which the rebuild covers too."""
+    if not runs:
+        return set(), []
+    projects: set[str] = set()
+    for chunk in chunked(sorted(runs)):
+        projects |= set(conn.execute(select(_RUNS.c.project).where(_RUNS.c.id.in_(chunk)).distinct()).scalars())
+    sizes = dict(conn.execute(select(_RUNS.c.project, func.count()).where(_RUNS.c.project.in_(sorted(projects)))
+                              .group_by(_RUNS.c.project)).all())
+    small = sorted(p for p in projects if sizes.get(p, 0) <= WHOLE_REBUILD_MAX)
+    if not small:
+        return set(), []
+    pending = conn.execute(select(_QUEUE.c.id, _RUNS.c.project).join(_RUNS, _RUNS.c.id == _QUEUE.c.run_id)
+                           .where(_RUNS.c.project.in_(small))).all()
+    queued_in: dict[str, list[int]] = defaultdict(list)
+    for entry_id, project in pending:
+        queued_in[project].append(entry_id)
+    chosen = {p for p in small if 2 * len(queued_in[p]) >= sizes[p]}
+    return chosen, [i for p in sorted(chosen) for i in queued_in[p]]
 
 
 def rebuild(conn: Connection, project: str) -> list[dict]:
@@ -98,7 +126,7 @@ def rebuild(conn: Connection, project: str) -> list[dict]:
     equals); returns them."""
     runs = conn.execute(select(*_READ).where(_RUNS.c.project == project)).all()
     ids = [r.id for r in runs]
-    for chunk in _chunks(ids):
+    for chunk in chunked(ids):
         conn.execute(delete(_SIG).where(_SIG.c.run_id.in_(chunk)))
     known: dict = {}
     _write_sigs(conn, group_runs(project, runs, known))
@@ -132,7 +160,7 @@ class _Refresh:
         self._load(queued)
         live = [self.rows[r] for r in sorted(queued) if r in self.rows and self.rows[r].project not in self.skip]
         # 1. the queued runs' buckets, rewritten (a rebuilt project's are written already)
-        for chunk in _chunks(sorted(r for r in queued if r not in self.rows or self.rows[r].project not in self.skip)):
+        for chunk in chunked(sorted(r for r in queued if r not in self.rows or self.rows[r].project not in self.skip)):
             conn.execute(delete(_SIG).where(_SIG.c.run_id.in_(chunk)))
         by_project: dict[str, list] = defaultdict(list)
         for r in live:
@@ -204,7 +232,7 @@ class _Refresh:
 
     def _load(self, ids: Iterable[str]) -> None:
         missing = sorted(set(ids) - set(self.rows))
-        for chunk in _chunks(missing):
+        for chunk in chunked(missing):
             for r in self.conn.execute(select(*_READ).where(_RUNS.c.id.in_(chunk))):
                 self.rows[r.id] = r
         if missing:
@@ -228,14 +256,14 @@ class _Refresh:
         # plain driver statements: a 20,000-key run looks up 20,001 buckets, and SQLAlchemy's
         # statement and row handling cost more than the index lookups
         mark = "?" if self.conn.dialect.paramstyle == "qmark" else "%s"
-        for chunk in _chunks(wanted):
+        for chunk in chunked(wanted):
             sql = f'SELECT bucket, run_id, "key" FROM ablationsig WHERE bucket IN ({", ".join([mark] * len(chunk))})'
             for b, rid, key in self.conn.exec_driver_sql(sql, tuple(chunk)).fetchall():
                 self.sigs[b % (1 << 64)].append((rid, key))
 
     def _ablations_holding(self, runs: Iterable[str]) -> list:
         out = {}
-        for chunk in _chunks(sorted(set(runs))):
+        for chunk in chunked(sorted(set(runs))):
             held = select(_MEMBER.c.ablation_id).where(_MEMBER.c.run_id.in_(chunk))
             for a in self.conn.execute(select(*_ABL_READ).where(_ABL.c.id.in_(held))):
                 out[a.id] = a
@@ -245,7 +273,7 @@ class _Refresh:
         """The stored config ablations of these buckets (what recomputing them replaces)."""
         wanted = {(p, f"config.{k}", signed(b)) for p, k, b in todo}
         out = []
-        for chunk in _chunks(sorted({b for _, _, b in wanted})):
+        for chunk in chunked(sorted({b for _, _, b in wanted})):
             for a in self.conn.execute(select(*_ABL_READ).where(_ABL.c.bucket.in_(chunk))):
                 if (a.project, a.factor, a.bucket) in wanted:
                     out.append(a)
@@ -253,7 +281,7 @@ class _Refresh:
 
     def _tag_ablations(self, tags: set[tuple[str, str]]) -> list:
         out = []
-        for chunk in _chunks(sorted({f for _, f in tags})):
+        for chunk in chunked(sorted({f for _, f in tags})):
             for a in self.conn.execute(select(*_ABL_READ).where(_ABL.c.factor.in_(chunk), _ABL.c.bucket.is_(None))):
                 if (a.project, a.factor) in tags:
                     out.append(a)
@@ -263,7 +291,7 @@ class _Refresh:
         """The runs each (project, factor) tag is on, by their `tags."ablation:<factor>"` fields."""
         keys = {canonical(("tags", TAG + f)): f for _, f in tags}
         out: dict[tuple[str, str], list[str]] = defaultdict(list)
-        for chunk in _chunks(sorted(keys)):
+        for chunk in chunked(sorted(keys)):
             stmt = (select(RunField.key, _RUNS.c.id, _RUNS.c.project)
                     .join(_RUNS, _RUNS.c.id == RunField.run_id).where(RunField.key.in_(chunk)))
             for key, rid, project in self.conn.execute(stmt):
@@ -284,7 +312,7 @@ def _write_sigs(conn: Connection, configs: list[Config]) -> None:
             rows.append((signed(c.total), r.id, 0, ""))
             rows.extend((signed(c.bucket(k)), r.id, slot, k) for slot, k in enumerate(c.sig, start=1))
     rows.sort()         # in primary-key order: each b-tree page is visited once, not once per row
-    _insert(conn, "ablationsig", ("bucket", "run_id", "slot", "key"), rows)
+    bulk_insert(conn, "ablationsig", ("bucket", "run_id", "slot", "key"), rows)
 
 
 def _replace(conn: Connection, old: set[str], new: list[dict], touched: set[str]) -> None:
@@ -292,7 +320,7 @@ def _replace(conn: Connection, old: set[str], new: list[dict], touched: set[str]
     `touched`) written again from all the ablations it is in now."""
     members = set(touched)
     queue_refs(conn, "ablation", sorted(old | {a["id"] for a in new}))     # their points follow
-    for chunk in _chunks(sorted(old)):
+    for chunk in chunked(sorted(old)):
         members.update(conn.execute(select(_MEMBER.c.run_id).where(_MEMBER.c.ablation_id.in_(chunk))).scalars())
         conn.execute(delete(_MEMBER).where(_MEMBER.c.ablation_id.in_(chunk)))
         conn.execute(delete(_ABL).where(_ABL.c.id.in_(chunk)))
@@ -300,33 +328,18 @@ def _replace(conn: Connection, old: set[str], new: list[dict], touched: set[str]
         conn.execute(insert(_ABL), new)
     links = sorted({(rid, a["id"]) for a in new for v in a["variants"] for rid in v["runs"]})
     members.update(rid for rid, _ in links)
-    _insert(conn, "ablationrun", ("run_id", "ablation_id"), links)
+    bulk_insert(conn, "ablationrun", ("run_id", "ablation_id"), links)
     # fields from every ablation each member is in (a name two ablations share goes to the later)
     ids = sorted(members)
     holding: dict[str, dict] = {}
-    for chunk in _chunks(ids):
+    for chunk in chunked(ids):
         conn.execute(delete(RunField).where(RunField.run_id.in_(chunk), ABLATION_FIELDS))
         held = select(_MEMBER.c.ablation_id).where(_MEMBER.c.run_id.in_(chunk))
         for a in conn.execute(select(*_ABL_READ).where(_ABL.c.id.in_(held))):
             holding[a.id] = {"id": a.id, "factor": a.factor, "bucket": a.bucket, "variants": a.variants}
     per_run = run_fields(list(holding.values()))
     rows = [row for rid in ids if rid in per_run for row in field_tuples(rid, {"ablations": per_run[rid]})]
-    _insert(conn, "runfield", FIELD_COLUMNS, rows)
-
-
-def _insert(conn: Connection, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
-    """executemany straight on the driver, as the run writer does (SQLAlchemy's per-row parameter
-    handling cost more than the inserts)."""
-    if rows:
-        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-        cols = ", ".join(f'"{c}"' for c in columns)
-        conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) VALUES ({', '.join([mark] * len(columns))})", rows)
-
-
-def _chunks(items: list) -> Iterator[list]:
-    items = list(items)
-    for i in range(0, len(items), CHUNK):
-        yield items[i:i + CHUNK]
+    bulk_insert(conn, "runfield", FIELD_COLUMNS, rows)
 
 
 # ---- inspection -------------------------------------------------------------------------------

@@ -7,42 +7,24 @@ pays for them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterable
 
 from sqlalchemy import bindparam, func, select, text
-from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
-from kb.db import WriteBatch, is_read_only, make_engine, migrate
+from kb.db import is_read_only, make_engine, migrate
 from kb.errors import IndexBusy, IndexDamaged, InvalidRecord, NotFound, ReadOnlyStore
 from kb.models import IndexPending, Note, Run
-from kb.records import NoteRecord, Parsed, parse_run
 from kb.models import RunPublic
-from kb.runs import RunDetail, read_detail, write_run
+from kb.record_writer import IngestReport, RecordWriter
+from kb.records import Parsed, parse_run
+from kb.runs import RunDetail, read_detail
 from kb.settings import Settings
 from kb.tracking import TrackedRun
 
 log = logging.getLogger(__name__)
 ANALYZE_AFTER = 1000     # runs written in one ingest before Postgres statistics are refreshed
-
-
-@dataclass
-class IngestReport:
-    added: int = 0
-    updated: int = 0
-    unchanged: int = 0
-    failed: list[dict] = field(default_factory=list)
-    skipped: list[dict] = field(default_factory=list)    # files a walk visited that are not runs
-    ids: list[str] = field(default_factory=list)
-    pending_index: int = 0
-    projects: set[str] = field(default_factory=set)     # touched: their ablations are recomputed
-    note_chunks: dict[str, int] = field(default_factory=dict)   # document -> chunks it has now
-
-    def as_dict(self) -> dict:
-        return {"added": self.added, "updated": self.updated, "unchanged": self.unchanged,
-                "failed": self.failed, "skipped": self.skipped}
 
 
 class KnowledgeBase:
@@ -98,13 +80,13 @@ class KnowledgeBase:
         report.skipped += plan.skipped
         options = {"mapping": mapping} if mapping else {}
         check_options([r.ingester for r in plan.reads], options)
-        with WriteBatch(self.engine) as batch:
+        with RecordWriter(self.engine, report, project) as writer:
             for read in plan.reads:
                 for item in read.ingester.read(read.source, **options_for(read.ingester, options)):
                     if isinstance(item, Parsed):
                         if read.project and not project and "project" not in item.record.model_fields_set:
                             item.record = item.record.model_copy(update={"project": read.project})
-                        self._store(batch, item, project, report)
+                        writer.add(item)
                     else:
                         report.failed.append(item.error.as_dict())
                     if progress:
@@ -117,14 +99,14 @@ class KnowledgeBase:
                        index: bool = True) -> IngestReport:
         """Native records given as dicts (the REST API, hooks and the runner write through this)."""
         report = IngestReport()
-        with WriteBatch(self.engine) as batch:
+        with RecordWriter(self.engine, report) as writer:
             for i, data in enumerate(records, start=1):
                 try:
                     record = parse_run(data)
                 except InvalidRecord as exc:
                     report.failed.append(exc.at(source, i).as_dict())
                     continue
-                self._store(batch, Parsed(record, source_kind, source, i), None, report)
+                writer.add(Parsed(record, source_kind, source, i))
         self._after_writes(report, index)
         report.pending_index = self.pending_index()
         return report
@@ -139,32 +121,6 @@ class KnowledgeBase:
         while open, stored as native runs under MLflow's run id when they end."""
         from ingest.mlflow_live import LiveRuns
         return LiveRuns(self)
-
-    def _store(self, batch: WriteBatch, item, project: str | None, report: IngestReport) -> None:
-        """One record in its own savepoint of the batch: a record that fails leaves no row behind
-        and takes nothing else with it."""
-        from kb.notes import write_note
-
-        record = item.record
-        if project:
-            record = record.model_copy(update={"project": project})
-        write = write_note if isinstance(record, NoteRecord) else write_run
-        try:
-            with batch.record() as s:
-                outcome, ref = write(s, record, item.source_kind, item.source_uri)
-        except IntegrityError as exc:
-            report.failed.append(InvalidRecord(f"conflicts with the store: {exc.orig}", source=item.source_uri,
-                                               line=item.line).as_dict())
-            return
-        except (InvalidRecord, ValueError) as exc:
-            report.failed.append(InvalidRecord(str(exc), source=item.source_uri, line=item.line).as_dict())
-            return
-        setattr(report, outcome, getattr(report, outcome) + 1)
-        report.ids.append(ref)
-        if isinstance(record, NoteRecord):
-            report.note_chunks[item.source_uri] = max(report.note_chunks.get(item.source_uri, 0), record.chunk + 1)
-        elif outcome != "unchanged":
-            report.projects.add(record.project)
 
     def _after_writes(self, report: IngestReport, index: bool) -> None:
         from kb.ablation_store import refresh_all

@@ -11,10 +11,12 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterable, Iterator
 from urllib.parse import quote, unquote
 
 from sqlalchemy import event, inspect, make_url, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, create_engine
 
 from kb.errors import ReadOnlyStore
@@ -22,7 +24,7 @@ from kb.errors import ReadOnlyStore
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-HEAD = "0010"   # newest revision in migrations/versions; checked without importing alembic
+HEAD = "0011"   # newest revision in migrations/versions; checked without importing alembic
 
 
 def make_engine(url: str) -> Engine:
@@ -161,6 +163,37 @@ def _migration_lock(engine: Engine, lock_path: Path | None):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+IN_CHUNK = 500      # ids per IN list: Postgres takes 65,535 parameters, an old SQLite 999
+
+
+def chunked(items: Iterable) -> Iterator[list]:
+    """Items in lists of IN_CHUNK, for `IN (...)` lists of any length on both databases."""
+    items = list(items)
+    for i in range(0, len(items), IN_CHUNK):
+        yield items[i:i + IN_CHUNK]
+
+
+def bulk_insert(conn, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+    """Rows straight to the driver, in the caller's transaction: SQLAlchemy's per-row parameter
+    handling cost more than the inserts. On Postgres through COPY: psycopg's executemany still
+    sends a statement per row (a run has ~100 field rows), and that was most of an ingest."""
+    if not rows:
+        return
+    cols = ", ".join(f'"{c}"' for c in columns)
+    if conn.dialect.name == "postgresql":
+        sql = f"COPY {table} ({cols}) FROM STDIN"
+        try:
+            with conn.connection.cursor() as cur, cur.copy(sql) as copy:
+                for row in rows:
+                    copy.write_row(row)
+        except conn.dialect.dbapi.Error as exc:
+            # the driver's own error, past SQLAlchemy: raised as SQLAlchemy's, as any statement's is
+            # (a duplicate key is an IntegrityError to the writer whichever way it went in)
+            raise DBAPIError.instance(sql, None, exc, conn.dialect.dbapi.Error, dialect=conn.dialect) from None
+        return
+    conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) VALUES ({', '.join(['?'] * len(columns))})", rows)
+
+
 def session(engine: Engine) -> Session:
     return Session(engine, expire_on_commit=False)
 
@@ -192,10 +225,11 @@ class WriteBatch:
         return self
 
     @contextmanager
-    def record(self):
+    def record(self, count: int = 1):
+        """One record's writes (or `count` records written together), all or nothing."""
         with self.session.begin_nested():          # SAVEPOINT ... RELEASE, or ROLLBACK TO on error
             yield self.session
-        self.pending += 1
+        self.pending += count
         if self.pending >= self.BATCH_RECORDS or time.monotonic() - self.since > self.BATCH_SECONDS:
             self.commit()
 

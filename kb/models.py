@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, Column, Float, Index, PrimaryKeyConstraint, SmallInteger, Text
+from sqlalchemy import JSON, BigInteger, Column, Float, Index, LargeBinary, PrimaryKeyConstraint, Text
 from sqlalchemy import text as sql_text
 from sqlmodel import Field, SQLModel
 
@@ -123,24 +123,19 @@ class RunField(SQLModel, table=True):
     text: str | None = Field(default=None, sa_column=Column(Text))
 
 
-class MetricPoint(SQLModel, table=True):
-    """One curve point. Clustered by (run, key, seq) so a curve is one contiguous read and a
-    write touches one b-tree (seq is the point's position in its series; steps may repeat).
-
-    SQLite stores a NaN as NULL, so a NULL value is NaN and a NULL wall time is a point without
-    one, unless `nulls` says the record had a null there (migration 0006): NaN (a divergence),
-    null (no value) and a point written with a null wall time all read back as written."""
+class MetricSeries(SQLModel, table=True):
+    """One curve of a run (its series of step, value, wall time), the points packed into
+    little-endian arrays by kb.series: a curve is written and read whole, and a row per point
+    made most of an ingest's cost (migration 0011). `seq` is the curve's place in the record."""
     __table_args__ = {"sqlite_with_rowid": False}
     run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
     key: str = Field(primary_key=True)
-    seq: int = Field(primary_key=True)
-    step: int = Field(sa_column=Column(BigInteger, nullable=False))
-    value: float | None = Field(default=None, sa_column=Column(Float))   # ±inf as is; NULL: NaN or null
-    wall_time: float | None = Field(default=None, sa_column=Column(Float))
-    nulls: int | None = Field(default=None, sa_column=Column(SmallInteger))   # NULL for most points
-
-
-NULL_VALUE, NULL_WALL = 1, 2      # MetricPoint.nulls bits: the value is null; a third item, null
+    seq: int
+    points: int
+    step_bytes: bytes = Field(sa_column=Column(LargeBinary, nullable=False))      # int64
+    value_bytes: bytes = Field(sa_column=Column(LargeBinary, nullable=False))     # float64; NaN also for null
+    wall_bytes: bytes | None = Field(default=None, sa_column=Column(LargeBinary))     # float64
+    flag_bytes: bytes | None = Field(default=None, sa_column=Column(LargeBinary))     # kb.series flags
 
 
 class Failure(SQLModel, table=True):

@@ -15,12 +15,12 @@ from typing import Iterable, NamedTuple, Sequence
 from sqlalchemy import select
 
 from kb.ablations import group_runs, pooled_sd
+from kb.db import chunked
 from kb.errors import InsufficientData, QueryError
 from kb.models import Run, RunPublic
 from kb.vocab import canonical_metrics, fold, metric_name
 
 _RUNS = Run.__table__
-CHUNK = 500         # ids per IN list (Postgres takes 65,535 parameters, old SQLite 999)
 
 # words of a metric's name that say which way is better; losses are checked first
 _LOWER = re.compile(r"\b(loss|nll|ppl|perplexity|error|err|bpb|bpc|wer|cer|latency|time)\b")
@@ -69,8 +69,7 @@ def read_runs(source, *, ids: Sequence[str] | None = None, project: str | None =
             rows = conn.execute(stmt.order_by(_RUNS.c.id)).all()
         else:
             ids = list(dict.fromkeys(ids))
-            rows = [r for i in range(0, len(ids), CHUNK)
-                    for r in conn.execute(stmt.where(_RUNS.c.id.in_(ids[i:i + CHUNK])))]
+            rows = [r for chunk in chunked(ids) for r in conn.execute(stmt.where(_RUNS.c.id.in_(chunk)))]
             rows.sort(key=lambda r: r.id)
     return [RunPublic.of(r) for r in rows]
 

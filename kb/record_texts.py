@@ -14,6 +14,7 @@ from sqlalchemy import select
 from sqlmodel import Session
 
 from kb.cards import ablation_card, failure_card
+from kb.db import chunked
 from kb.models import Ablation, Failure, Note, Run
 
 
@@ -37,24 +38,30 @@ def note_text(row: Note) -> str:
     return f"{row.title}\n{row.text}" if row.title else row.text
 
 
+def _where_in(s: Session, query, column, ids: Iterable | None):
+    """The query's rows, for every id when `ids` is None, else for those ids, IN list by IN list."""
+    if ids is None:
+        yield from s.execute(query)
+        return
+    for chunk in chunked(ids):
+        yield from s.execute(query.where(column.in_(chunk)))
+
+
 def run_texts(s: Session, ids: Iterable[str] | None = None) -> Iterator[RecordText]:
     q = select(Run.id, Run.card, Run.project, Run.status, Run.name)
-    for rid, card, project, status, name in s.execute(q if ids is None else q.where(Run.id.in_(list(ids)))):
+    for rid, card, project, status, name in _where_in(s, q, Run.id, ids):
         yield RecordText("run", rid, card, project, name or rid, status, rid)
 
 
 def note_texts(s: Session, ids: Iterable[str] | None = None) -> Iterator[RecordText]:
-    q = select(Note)
-    for row in s.execute(q if ids is None else q.where(Note.id.in_(list(ids)))).scalars():
+    for (row,) in _where_in(s, select(Note), Note.id, ids):
         yield RecordText("note", row.id, note_text(row), row.project, row.title or row.id)
 
 
 def ablation_texts(s: Session, ids: Iterable[str] | None = None) -> Iterator[RecordText]:
-    q = select(Ablation)
-    rows = list(s.execute(q if ids is None else q.where(Ablation.id.in_(list(ids)))).scalars())
+    rows = [a for (a,) in _where_in(s, select(Ablation), Ablation.id, ids)]
     run_ids = {v.get("run") for a in rows for v in (a.variants or []) if v.get("run")}
-    labels = dict(s.execute(select(Run.id, Run.name).where(Run.id.in_(run_ids))).all()) if run_ids else {}
-    labels = {k: v for k, v in labels.items() if v}
+    labels = {rid: name for rid, name in _where_in(s, select(Run.id, Run.name), Run.id, run_ids) if name}
     for a in rows:
         text = ablation_card({"id": a.id, "project": a.project, "factor": a.factor, "metric": a.metric,
                               "variants": a.variants, "effect": a.effect}, labels)
@@ -66,16 +73,10 @@ def failure_texts(s: Session, ids: Iterable[str] | None = None, *,
     """Failures by id, or every failure of `run_ids`, or (neither) all of them."""
     q = select(Failure, Run.name, Run.project, Run.status, Run.config).join(Run, Run.id == Failure.run_id)
     if ids is not None:
-        numeric = [int(i) for i in ids if str(i).isdigit()]
-        if not numeric:
-            return
-        q = q.where(Failure.id.in_(numeric))
-    elif run_ids is not None:
-        run_ids = list(run_ids)
-        if not run_ids:
-            return
-        q = q.where(Failure.run_id.in_(run_ids))
-    for f, name, project, status, config in s.execute(q):
+        rows = _where_in(s, q, Failure.id, [int(i) for i in ids if str(i).isdigit()])
+    else:
+        rows = _where_in(s, q, Failure.run_id, run_ids)
+    for f, name, project, status, config in rows:
         text = failure_card({"kind": f.kind, "step": f.step, "message": f.message, "evidence": f.evidence},
                             {"id": f.run_id, "name": name, "project": project, "config": config})
         yield RecordText("failure", str(f.id), text, project, f"{f.kind} in {name or f.run_id}", status, f.run_id)

@@ -9,24 +9,26 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import ConfigDict
-from sqlalchemy import bindparam, delete, not_, select
+from sqlalchemy import Connection, bindparam, delete, not_, select
 from sqlmodel import Session
 
-from kb import curves, vocab
-from kb.ablation_store import ABLATION_FIELDS, queue_run
+from kb import curves, series, vocab
+from kb.ablation_store import ABLATION_FIELDS, queue_runs
 from kb.cards import run_card
+from kb.db import bulk_insert
 from kb.fields import FIELD_COLUMNS, field_tuples
-from kb.indexer import queue_index, queue_refs
-from kb.models import (NULL_VALUE, NULL_WALL, Ablation, Anomaly, Failure, MetricPoint, Run, RunField, RunPublic,
+from kb.indexer import queue_refs
+from kb.models import (Ablation, Anomaly, Failure, MetricSeries, Run, RunField, RunPublic,
                        utcnow)
 from kb.records import INT64, RunRecord, content_hash, json_safe
 
 Outcome = Literal["added", "updated", "unchanged"]
 _RUNS = Run.__table__
-_STORED_HASH = select(_RUNS.c.content_hash).where(_RUNS.c.id == bindparam("id"))
+_STORED_HASHES = select(_RUNS.c.id, _RUNS.c.content_hash).where(_RUNS.c.id.in_(bindparam("ids", expanding=True)))
 
 MAX_TOKENS_PER_STEP = 2**27     # past any real global batch: a batch that big is counted in tokens
 
@@ -82,23 +84,23 @@ def run_id_for(record: RunRecord, source_kind: str, source_uri: str, digest: str
     return f"{slug}-{hashlib.sha1(basis.encode()).hexdigest()[:8]}"
 
 
-def write_run(session: Session, record: RunRecord, source_kind: str, source_uri: str) -> tuple[Outcome, str]:
-    """Store one run in the caller's transaction; same content twice is a no-op."""
+@dataclass
+class PreparedRun:
+    """Every row of one run, derived from its record without touching the database."""
+    id: str
+    digest: str
+    row: dict                      # the run table's columns
+    fields: list[tuple]            # RunField rows (FIELD_COLUMNS)
+    series: list[tuple]            # MetricSeries rows (SERIES_COLUMNS)
+    failures: list[dict]
+    anomalies: list[dict]
+
+
+def prepare_run(record: RunRecord, source_kind: str, source_uri: str) -> PreparedRun:
+    """The run's id, content hash and rows: summary, curve stats, anomalies, failures, scale,
+    the promoted columns, the card. Raises ValueError for what no column can hold."""
     digest = content_hash(record, source_kind)
     run_id = run_id_for(record, source_kind, source_uri, digest)
-    conn = session.connection()
-    stored = conn.execute(_STORED_HASH, {"id": run_id}).scalar()        # None: a new run
-    if stored == digest:
-        return "unchanged", run_id
-    if stored is not None:
-        # its failures get new ids: their old points go (the new ones come with the run's entry)
-        queue_refs(conn, "failure", conn.execute(select(Failure.id).where(Failure.run_id == run_id)).scalars().all())
-        for table in (MetricPoint, Failure, Anomaly):
-            session.execute(delete(table).where(table.run_id == run_id))
-        # its ablations.* fields are the refresh's to rewrite: a writer never locks rows a
-        # refresh in another transaction is writing (two such waits made a Postgres deadlock)
-        session.execute(delete(RunField).where(RunField.run_id == run_id, not_(ABLATION_FIELDS)))
-
     metrics = {k: [tuple(p) for p in pts] for k, pts in record.metrics.items()}
     cv = curves.Curves(metrics)         # each curve's arrays built once for all three
     stats = curves.curve_stats(cv)
@@ -111,8 +113,8 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
     hp = vocab.canonical_hparams(record.config)
     scale = derive_scale(record, stats, hp)
     anomalies = [vars(f) for f in findings]
-    fields = dict(
-        project=record.project, name=record.name or run_id, status=status, config=record.config,
+    row = dict(
+        id=run_id, project=record.project, name=record.name or run_id, status=status, config=record.config,
         scale=scale, summary=summary, stats=stats, tags=record.tags, notes=record.notes,
         parent=record.parent, hypothesis=record.hypothesis, started_at=record.started_at,
         ended_at=record.ended_at, code=record.code.model_dump(exclude_none=True) if record.code else {},
@@ -120,37 +122,71 @@ def write_run(session: Session, record: RunRecord, source_kind: str, source_uri:
         tokens=scale.get("tokens"), flops=scale.get("flops"),
         source_kind=source_kind, source_uri=source_uri, content_hash=digest, ingested_at=utcnow(),
     )
-    fields["card"] = run_card({"id": run_id, **fields}, failures, anomalies)
-    # Core statements, not the ORM: a unit-of-work flush per run cost more than its curve inserts
-    if stored is None:
-        conn.execute(_RUNS.insert(), {"id": run_id, **fields})
-    else:
-        conn.execute(_RUNS.update().where(_RUNS.c.id == run_id), fields)
-
+    row["card"] = run_card(row, failures, anomalies)
     namespaces = {"config": record.config, "summary": summary, "scale": scale, "stats": stats,
                   "anomalies": curves.anomaly_summary(findings),
                   "failure": {k: failures[0].get(k) for k in ("kind", "step")} if failures else {},
                   "tags": {t: True for t in record.tags}}
-    _bulk(session, RunField, field_tuples(run_id, vocab.with_canonical(namespaces, hp)), columns=FIELD_COLUMNS)
-    _bulk(session, MetricPoint, point_rows(run_id, metrics), columns=POINT_COLUMNS)
-    _bulk(session, Failure, [{"run_id": run_id, **f} for f in failures])
-    _bulk(session, Anomaly, [{"run_id": run_id, **a} for a in anomalies])
-    queue_index(session, "run", run_id)
-    queue_run(conn, run_id)             # its ablations: kb.ablation_store.refresh, after the commit
-    return ("added" if stored is None else "updated"), run_id
+    return PreparedRun(run_id, digest, row, field_tuples(run_id, vocab.with_canonical(namespaces, hp)),
+                       series_rows(run_id, metrics), failures, anomalies)
 
 
-POINT_COLUMNS = ("run_id", "key", "seq", "step", "value", "wall_time", "nulls")
+def write_run(session: Session, record: RunRecord, source_kind: str, source_uri: str) -> tuple[Outcome, str]:
+    """Store one run in the caller's transaction; same content twice is a no-op."""
+    prepared = prepare_run(record, source_kind, source_uri)
+    return write_prepared(session.connection(), [prepared])[0], prepared.id
 
 
-def point_rows(run_id: str, metrics: dict[str, list[tuple]]) -> list[tuple]:
-    """MetricPoint rows. NaN goes in as NULL (what SQLite makes of it anyway); a null value and a
-    null wall time are marked in `nulls`, so the three read back apart (kb.models.MetricPoint)."""
-    return [(run_id, key, i, p[0], p[1], p[2] if len(p) > 2 else None, None)
-            if p[1] == p[1] and p[1] is not None and (len(p) < 3 or p[2] is not None)    # most points
-            else (run_id, key, i, p[0], None if p[1] != p[1] else p[1], p[2] if len(p) > 2 else None,
-                  (NULL_VALUE if p[1] is None else 0) | (NULL_WALL if len(p) > 2 and p[2] is None else 0) or None)
-            for key, pts in metrics.items() for i, p in enumerate(pts)]
+def write_prepared(conn: Connection, runs: list[PreparedRun]) -> list[Outcome]:
+    """Store prepared runs (distinct ids) in the caller's transaction, one statement per table
+    for all of them: per run, the statements' own overhead cost more than their rows. A run
+    whose content is stored already is left alone; one stored with other content is replaced."""
+    stored = dict(conn.execute(_STORED_HASHES, {"ids": [r.id for r in runs]}).all())
+    outcomes: list[Outcome] = []
+    write, new = [], []
+    for r in runs:
+        if r.id not in stored:
+            outcomes.append("added")
+            new.append(r.row)
+        elif stored[r.id] == r.digest:
+            outcomes.append("unchanged")
+            continue
+        else:
+            outcomes.append("updated")
+            _clear(conn, r.id)
+            conn.execute(_RUNS.update().where(_RUNS.c.id == r.id), r.row)
+        write.append(r)
+    if not write:
+        return outcomes
+    # Core statements, not the ORM: a unit-of-work flush per run cost more than its curve inserts
+    if new:
+        conn.execute(_RUNS.insert(), new)
+    _bulk(conn, RunField, [t for r in write for t in r.fields], columns=FIELD_COLUMNS)
+    _bulk(conn, MetricSeries, [t for r in write for t in r.series], columns=SERIES_COLUMNS)
+    _bulk(conn, Failure, [{"run_id": r.id, **f} for r in write for f in r.failures])
+    _bulk(conn, Anomaly, [{"run_id": r.id, **a} for r in write for a in r.anomalies])
+    queue_refs(conn, "run", [r.id for r in write])
+    queue_runs(conn, [r.id for r in write])       # their ablations: kb.ablation_store.refresh, after the commit
+    return outcomes
+
+
+def _clear(conn: Connection, run_id: str) -> None:
+    """A stored run's derived rows, before its new content goes in."""
+    # its failures get new ids: their old points go (the new ones come with the run's entry)
+    queue_refs(conn, "failure", conn.execute(select(Failure.id).where(Failure.run_id == run_id)).scalars().all())
+    for table in (MetricSeries, Failure, Anomaly):
+        conn.execute(delete(table).where(table.run_id == run_id))
+    # its ablations.* fields are the refresh's to rewrite: a writer never locks rows a
+    # refresh in another transaction is writing (two such waits made a Postgres deadlock)
+    conn.execute(delete(RunField).where(RunField.run_id == run_id, not_(ABLATION_FIELDS)))
+
+
+SERIES_COLUMNS = ("run_id", "key", "seq") + series.Packed._fields
+
+
+def series_rows(run_id: str, metrics: dict[str, list[tuple]]) -> list[tuple]:
+    """MetricSeries rows: one per curve, its points packed (kb.series)."""
+    return [(run_id, key, i, *series.pack(pts)) for i, (key, pts) in enumerate(metrics.items()) if pts]
 
 
 def _failures(record: RunRecord, metrics: "dict | curves.Curves") -> list[dict]:
@@ -168,18 +204,12 @@ def _failures(record: RunRecord, metrics: "dict | curves.Curves") -> list[dict]:
     return out
 
 
-def _bulk(session: Session, model, rows: list, columns: tuple[str, ...] | None = None) -> None:
-    """executemany straight on the driver: curves are most of a run's rows, and SQLAlchemy's
-    per-row parameter processing cost more than SQLite's own insert."""
-    if not rows:
-        return
-    cols = columns or list(rows[0])
-    if columns is None:
-        rows = [tuple(r[c] for c in cols) for r in rows]
-    conn = session.connection()
-    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-    sql = f"INSERT INTO {model.__tablename__} ({', '.join(cols)}) VALUES ({', '.join([mark] * len(cols))})"
-    conn.exec_driver_sql(sql, rows)
+def _bulk(conn: Connection, model, rows: list, columns: tuple[str, ...] | None = None) -> None:
+    """bulk_insert of tuples in `columns` order, or of dicts alike in their keys."""
+    if rows and columns is None:
+        columns = tuple(rows[0])
+        rows = [tuple(r[c] for c in columns) for r in rows]
+    bulk_insert(conn, model.__tablename__, columns, rows)
 
 
 def _int(v):
@@ -214,18 +244,10 @@ class RunDetail(RunPublic):
 
 def read_detail(session: Session, row: Run) -> RunDetail:
     view = RunPublic.of(row).model_dump()
-    metrics: dict[str, list[list[Any]]] = {}
-    pts = session.execute(select(MetricPoint.key, MetricPoint.step, MetricPoint.value, MetricPoint.wall_time,
-                                 MetricPoint.nulls)
-                          .where(MetricPoint.run_id == row.id).order_by(MetricPoint.key, MetricPoint.seq))
-    for key, step, value, wall, nulls in pts:
-        nulls = nulls or 0
-        point = [step, value if value is not None or nulls & NULL_VALUE else math.nan]
-        if wall is not None or nulls & NULL_WALL:
-            point.append(wall)
-        metrics.setdefault(key, []).append(point)
-    # in the record's order (the stats JSON keeps it), not the database's collation of the names
-    metrics = {k: metrics[k] for k in row.stats if k in metrics} | metrics
+    rows = session.execute(select(MetricSeries.key, MetricSeries.step_bytes, MetricSeries.value_bytes,
+                                  MetricSeries.wall_bytes, MetricSeries.flag_bytes)
+                           .where(MetricSeries.run_id == row.id).order_by(MetricSeries.seq))
+    metrics: dict[str, list[list[Any]]] = {key: series.unpack(*packed) for key, *packed in rows}
     failures = [{"id": str(f.id), "kind": f.kind, "step": f.step, "message": f.message,
                  "evidence": f.evidence, "origin": f.origin}
                 for f in session.execute(select(Failure).where(Failure.run_id == row.id).order_by(Failure.id)).scalars()]

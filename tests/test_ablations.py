@@ -136,9 +136,12 @@ def reference(runs: list[dict]) -> set[tuple]:
     return out
 
 
+@pytest.mark.parametrize("rebuild_max", [0, 5000], ids=["incremental", "whole-when-mostly-new"])
 @hsettings(max_examples=examples(15), deadline=None, suppress_health_check=list(HealthCheck))
 @given(history=histories())
-def test_incremental_refresh_equals_recomputation(kb, history):
+def test_incremental_refresh_equals_recomputation(kb, history, rebuild_max, monkeypatch):
+    import kb.ablation_store as store
+    monkeypatch.setattr(store, "WHOLE_REBUILD_MAX", rebuild_max)    # 0: never rebuilt whole
     with kb.engine.begin() as conn:          # one database for every example: start each empty
         for table in ("ablationrun", "ablation", "ablationsig", "ablationpending", "run"):
             conn.execute(text(f"DELETE FROM {table}"))
@@ -177,6 +180,7 @@ def test_a_bulk_load_is_refreshed_in_several_transactions(kb, tmp_path, monkeypa
     about a second at a time); the ablations come out whole all the same."""
     import kb.ablation_store as store
     monkeypatch.setattr(store, "REFRESH_BATCH", 2)
+    monkeypatch.setattr(store, "WHOLE_REBUILD_MAX", 0)      # the incremental path, batch by batch
     records = [run(f"b{s}-{lr}-{norm}", 3.0 - lr * 100 + 0.01 * s, lr=lr, seed=s, norm=norm)
                for s in range(2) for lr in (1e-3, 2e-3) for norm in ("layernorm", "rmsnorm")]
     ingest(kb, tmp_path, records + [run("tagged", 2.0, lr=5e-3, tags=["ablation:recipe"]),
@@ -185,6 +189,34 @@ def test_a_bulk_load_is_refreshed_in_several_transactions(kb, tmp_path, monkeypa
         assert conn.execute(text("SELECT count(*) FROM ablationpending")).scalar() == 0
     state = _state(kb, "p")
     assert len(state["ablations"]) == 5 and state == _rebuilt(kb, "p")
+
+
+def test_a_project_mostly_queued_is_rebuilt_whole_in_one_refresh(kb, tmp_path):
+    """A bulk load of a new project: the first refresh rebuilds it and takes all its entries; a
+    project with one run queued among many is refreshed incrementally, its one entry taken."""
+    from kb.ablation_store import refresh
+    from kb.db import WriteBatch
+    from kb.records import parse_run
+    from kb.runs import write_run
+    ingest(kb, tmp_path, [run(f"old{i}", 3.0 - i / 100, lr=1e-4 * (i + 1)) for i in range(4)])
+
+    def queue(records):                         # written and queued, not yet refreshed
+        with WriteBatch(kb.engine) as batch:
+            for rec in records:
+                with batch.record() as s:
+                    write_run(s, parse_run(rec), "native", "bulk.jsonl")
+
+    queue([run(f"new{i}", 3.0 - i / 100, lr=1e-4 * (i + 1), project="fresh") for i in range(4)]
+          + [run("old-rms", 2.95, norm="rmsnorm")])
+    pending = lambda conn: conn.execute(text("SELECT count(*) FROM ablationpending")).scalar()  # noqa: E731
+    with kb.engine.begin() as conn:
+        assert pending(conn) == 5
+        assert refresh(conn, 1) == 1            # one entry read: "fresh"'s four taken with it
+        assert pending(conn) == 1
+        assert refresh(conn) == 1 and pending(conn) == 0
+    for project in ("fresh", "p"):
+        state = _state(kb, project)
+        assert state["ablations"] and state == _rebuilt(kb, project)
 
 
 def test_a_queued_project_is_recomputed_whole(kb, tmp_path):

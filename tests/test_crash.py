@@ -24,7 +24,7 @@ from sqlalchemy import func, select
 
 from kb.api import KnowledgeBase
 from kb.indexer import expected_fingerprints
-from kb.models import IndexPending, MetricPoint, Run, RunField
+from kb.models import IndexPending, MetricSeries, Run, RunField
 
 pytestmark = pytest.mark.slow
 KB = shutil.which("kb") or str(Path(sys.executable).parent / "kb")
@@ -103,7 +103,7 @@ def assert_consistent(settings, source: list[dict]) -> set[str]:
             assert {key: len(points) for key, points in run.metrics.items()} == \
                    {key: len(points) for key, points in want["metrics"].items()}
         with k.engine.connect() as conn:
-            for table in (MetricPoint, RunField):
+            for table in (MetricSeries, RunField):
                 orphans = conn.execute(select(func.count()).select_from(table)
                                        .where(table.run_id.not_in(select(Run.id)))).scalar_one()
                 assert orphans == 0, table

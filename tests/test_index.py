@@ -245,3 +245,19 @@ def test_search_works_while_another_process_holds_the_index(settings, tmp_path, 
     finally:
         holder.communicate("\n", timeout=120)
     assert holder.returncode == 0
+
+
+def test_record_texts_take_more_ids_than_postgres_has_parameters(engine):
+    """The scale benchmark's 100,000-run sync once sent one IN list of 85,646 run ids (an
+    ablation card's run names) and Postgres refused it (65,535 parameters at most): every
+    reader of records by id goes IN list by IN list, on both databases alike."""
+    from sqlmodel import Session
+
+    from kb.record_texts import ablation_texts, failure_texts, note_texts, run_texts
+    many = [f"absent-{i}" for i in range(70_000)]
+    with Session(engine) as s:
+        assert list(run_texts(s, many)) == []
+        assert list(note_texts(s, many)) == []
+        assert list(ablation_texts(s, many)) == []
+        assert list(failure_texts(s, [str(i) for i in range(70_000)])) == []
+        assert list(failure_texts(s, run_ids=many)) == []

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlmodel import Session
 
-from kb.models import MetricPoint, Run, RunField
+from kb.models import MetricSeries, Run, RunField
 
 RECORD = {
     "id": "gpt-small-lr3e-4", "project": "gpt-small", "name": "lr-sweep-3e-4", "status": "completed",
@@ -31,7 +31,7 @@ def write_jsonl(path, records):
 
 def store_state(kb):
     with Session(kb.engine) as s:
-        return tuple(s.execute(select(func.count()).select_from(t)).scalar_one() for t in (Run, MetricPoint, RunField))
+        return tuple(s.execute(select(func.count()).select_from(t)).scalar_one() for t in (Run, MetricSeries, RunField))
 
 
 def test_round_trip_is_exact(kb, tmp_path):
@@ -136,7 +136,7 @@ def test_failed_write_leaves_the_store_as_it_was(kb, tmp_path, monkeypatch):
     real_bulk = runs_mod._bulk
 
     def failing_bulk(session, model, rows, columns=None):
-        if model is MetricPoint:
+        if model is MetricSeries:
             raise RuntimeError("disk full")
         real_bulk(session, model, rows, columns)
 
@@ -150,7 +150,7 @@ def test_failed_write_leaves_the_store_as_it_was(kb, tmp_path, monkeypatch):
 def _rows_of(kb, run_id):
     with Session(kb.engine) as s:
         return tuple(s.execute(select(func.count()).select_from(t).where(t.run_id == run_id)).scalar_one()
-                     for t in (MetricPoint, RunField)) + (int(s.get(Run, run_id) is not None),)
+                     for t in (MetricSeries, RunField)) + (int(s.get(Run, run_id) is not None),)
 
 
 def test_a_failing_run_rolls_back_alone_inside_its_batch(kb, tmp_path, monkeypatch):
@@ -160,7 +160,7 @@ def test_a_failing_run_rolls_back_alone_inside_its_batch(kb, tmp_path, monkeypat
     real_bulk = runs_mod._bulk
 
     def failing_bulk(session, model, rows, columns=None):
-        if model is MetricPoint and rows and rows[0][0] == "b":
+        if model is MetricSeries and any(r[0] == "b" for r in rows):
             raise ValueError("a bad curve")
         real_bulk(session, model, rows, columns)
 
@@ -177,7 +177,7 @@ def test_an_error_that_ends_the_ingest_keeps_the_runs_before_it(kb, tmp_path, mo
     real_bulk = runs_mod._bulk
 
     def crashing_bulk(session, model, rows, columns=None):
-        if model is MetricPoint and rows and rows[0][0] == "c":
+        if model is MetricSeries and any(r[0] == "c" for r in rows):
             raise RuntimeError("disk full")
         real_bulk(session, model, rows, columns)
 
@@ -219,3 +219,32 @@ def test_a_run_reads_back_as_written_on_every_store(kb, tmp_path):
     assert run.config == config and list(run.config) == list(config) and list(run.config["alpha"]) == ["y", "b"]
     assert isinstance(run.config["big"], float) and isinstance(run.config["exact"], int)
     assert isinstance(run.config["alpha"]["y"], float) and isinstance(run.scale["flops"], float)
+
+
+def test_bulk_insert_raises_sqlalchemys_integrity_error_on_both_databases(engine):
+    """Postgres rows go in through COPY, past SQLAlchemy: a duplicate key must still reach the
+    writer as IntegrityError (what it reports as a conflicting record), as SQLite's does."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import IntegrityError
+
+    from kb.db import bulk_insert
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE scratch (a INTEGER PRIMARY KEY, b TEXT)"))
+    with pytest.raises(IntegrityError), engine.begin() as conn:
+        bulk_insert(conn, "scratch", ("a", "b"), [(1, "x"), (1, "y")])
+    with engine.begin() as conn:
+        bulk_insert(conn, "scratch", ("a", "b"), [(1, "tab\there"), (2, "new\nline \\ and 'quote'")])
+        assert conn.execute(text("SELECT b FROM scratch ORDER BY a")).scalars().all() == \
+            ["tab\there", "new\nline \\ and 'quote'"]
+
+
+def test_one_run_twice_in_one_batch_is_written_in_order(kb):
+    """Runs are written in groups; a run that comes again later in the same group (an updated
+    record appended to the file) is written after the first, as it would be one by one."""
+    first = {"id": "twice", "project": "p", "config": {"lr": 1e-3}, "metrics": {"loss": [[0, 5.0], [10, 3.0]]}}
+    second = dict(first, metrics={"loss": [[0, 5.0], [10, 2.5]]})
+    other = {"id": "other", "project": "p", "config": {"lr": 3e-4}, "metrics": {"loss": [[0, 5.0]]}}
+    report = kb.ingest_records([first, other, second, second], index=False)
+    assert (report.added, report.updated, report.unchanged, report.failed) == (2, 1, 1, [])
+    assert report.ids == ["twice", "other", "twice", "twice"]
+    assert kb.run("twice").metrics["loss"][-1] == [10, 2.5]

@@ -229,7 +229,7 @@ def test_restarted_writer_replaces_the_overlapping_steps(tmp_path):
 def test_runs_store_and_reingest_changes_nothing(tree, engine):
     from sqlalchemy import func, select
     from kb.db import session
-    from kb.models import MetricPoint
+    from kb.models import MetricSeries
     from kb.runs import write_run
 
     root, expected = tree
@@ -240,5 +240,5 @@ def test_runs_store_and_reingest_changes_nothing(tree, engine):
                 outcome, _ = write_run(s, item.record, item.source_kind, item.source_uri)
             assert outcome == want
     with session(engine) as s:
-        stored = s.scalar(select(func.count()).select_from(MetricPoint))
+        stored = s.scalar(select(func.sum(MetricSeries.points)))
     assert stored == sum(len(p) for i in items for p in i.record.metrics.values())

@@ -53,3 +53,41 @@ def _config() -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     return cfg
+
+
+ODD_CURVES = {
+    # NaN, ±inf, a null value, an explicit null wall time, two- and three-item points in one curve,
+    # a repeated step, the largest step: each reads back as written
+    "train/loss": [[0, 10.5, 1700000000.25], [1, float("nan"), 1700000001.0], [2, None, None], [3, float("inf")],
+                   [3, -float("inf"), 1700000003.5], [2**63 - 1, 1.0]],
+    "lr": [[0, 3e-4], [10, 2.5e-4]],                    # curves come back in the record's order
+    "a_first_by_name": [[0, 1.0, None]],
+}
+
+
+def _same(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+
+
+def _points_equal(got: dict, want: dict) -> bool:
+    return list(got) == list(want) and all(
+        len(g) == len(w) and all(len(p) == len(q) and all(map(_same, p, q)) for p, q in zip(g, w))
+        for g, w in zip(got.values(), want.values()))
+
+
+def test_curves_survive_migration_0011_both_ways(kb):
+    """0011 moved curves from a row per point into packed arrays; its downgrade writes the points
+    back as rows and its upgrade packs them again, and the run reads back as logged throughout."""
+    from alembic import command
+    (run_id,) = kb.ingest_records([{"project": "p", "name": "odd", "metrics": ODD_CURVES}], index=False).ids
+    assert _points_equal(kb.run(run_id).metrics, ODD_CURVES)
+    cfg = _config()
+    with kb.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0010")
+        rows = conn.execute(text("select count(*) from metricpoint")).scalar_one()
+    assert rows == sum(map(len, ODD_CURVES.values()))
+    with kb.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+    assert _points_equal(kb.run(run_id).metrics, ODD_CURVES)

@@ -37,7 +37,7 @@ def test_a_knowledge_base_moves_whole_and_keeps_working(kb, tmp_path, target_bac
         argv = ["--home", str(source_home), "--database-url", str(kb.settings.sql_url), "migrate", "--to", url, "--json"]
         assert main(argv) == 0
         copied = json.loads(capsys.readouterr().out)["copied"]
-        assert copied["run"] == len(before) and copied["metricpoint"] > 0 and copied["note"] >= 1
+        assert copied["run"] == len(before) and copied["metricseries"] > 0 and copied["note"] >= 1
         target = KnowledgeBase.open(Settings(home=tmp_path / "target-home", database_url=url))
         try:
             assert {r.id: target.run(r.id).as_dict() for r in target.runs()} == before

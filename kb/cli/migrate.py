@@ -58,7 +58,7 @@ def migrate(obj, to_url, as_json):
     if as_json:
         emit_json({"target": shown, "copied": copied})
         return
-    click.echo(f"\ncopied {copied.get('run', 0)} runs, {copied.get('metricpoint', 0)} curve points, "
+    click.echo(f"\ncopied {copied.get('run', 0)} runs, {copied.get('metricseries', 0)} curves, "
                f"{copied.get('note', 0)} note chunks, {copied.get('hypothesis', 0)} hypotheses and "
                f"{copied.get('job', 0)} jobs into {shown}")
     click.echo(f"next: export KB_DATABASE_URL='{shown}' (with its password), set KB_QDRANT_URL for a "

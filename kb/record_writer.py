@@ -1,0 +1,122 @@
+"""Parsed records into the store, runs in groups, with what happened to each in an IngestReport.
+
+A run's own statements (its hash lookup, its row, its fields, curves, queue entries, a savepoint)
+cost more per run than the rows they carry, so runs are prepared one by one (kb.runs.prepare_run:
+pure Python, no database) and written GROUP_RUNS at a time, one statement per table. Atomicity
+stays per run: when a group cannot go in, each of its runs is written again in its own savepoint,
+so the one at fault is reported alone and the others are stored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy.exc import IntegrityError
+
+from kb.db import WriteBatch
+from kb.errors import InvalidRecord
+from kb.records import NoteRecord, Parsed
+from kb.runs import PreparedRun, prepare_run, write_prepared
+
+GROUP_RUNS = 64
+
+
+@dataclass
+class IngestReport:
+    added: int = 0
+    updated: int = 0
+    unchanged: int = 0
+    failed: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)    # files a walk visited that are not runs
+    ids: list[str] = field(default_factory=list)
+    pending_index: int = 0
+    projects: set[str] = field(default_factory=set)     # touched: their ablations are recomputed
+    note_chunks: dict[str, int] = field(default_factory=dict)   # document -> chunks it has now
+
+    def as_dict(self) -> dict:
+        return {"added": self.added, "updated": self.updated, "unchanged": self.unchanged,
+                "failed": self.failed, "skipped": self.skipped}
+
+
+class RecordWriter:
+    """`with RecordWriter(engine, report) as w: w.add(parsed)`; everything added is written by
+    the end of the block, and also when an error ends it early (what came before it stays)."""
+
+    def __init__(self, engine, report: IngestReport, project: str | None = None):
+        self.batch = WriteBatch(engine)
+        self.report, self.project = report, project
+        self.group: list[tuple[Parsed, PreparedRun]] = []
+        self.ids: set[str] = set()
+
+    def __enter__(self) -> "RecordWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.flush()
+        finally:
+            self.batch.__exit__(exc_type, exc, tb)
+
+    def add(self, item: Parsed) -> None:
+        if self.project:
+            item.record = item.record.model_copy(update={"project": self.project})
+        if isinstance(item.record, NoteRecord):
+            self.flush()            # in the order given: a later run may cite this note
+            self._write_note(item)
+            return
+        try:
+            prepared = prepare_run(item.record, item.source_kind, item.source_uri)
+        except (InvalidRecord, ValueError) as exc:
+            self._failed(item, str(exc))
+            return
+        if prepared.id in self.ids:
+            self.flush()            # the same run twice: the second write must see the first
+        self.group.append((item, prepared))
+        self.ids.add(prepared.id)
+        if len(self.group) >= GROUP_RUNS:
+            self.flush()
+
+    def flush(self) -> None:
+        group, self.group, self.ids = self.group, [], set()
+        if not group:
+            return
+        try:
+            with self.batch.record(len(group)) as s:
+                outcomes = write_prepared(s.connection(), [p for _, p in group])
+        except Exception:
+            # one of them cannot go in (or the database failed): each alone, so only that one fails
+            for item, prepared in group:
+                self._write_alone(item, prepared)
+            return
+        for (item, prepared), outcome in zip(group, outcomes):
+            self._done(item, outcome, prepared.id)
+
+    def _write_alone(self, item: Parsed, prepared: PreparedRun) -> None:
+        self._write(item, lambda s: (write_prepared(s.connection(), [prepared])[0], prepared.id))
+
+    def _write_note(self, item: Parsed) -> None:
+        from kb.notes import write_note
+        self._write(item, lambda s: write_note(s, item.record, item.source_kind, item.source_uri))
+
+    def _write(self, item: Parsed, write) -> None:
+        """One record in its own savepoint: `write(session)` gives (outcome, ref), or it fails alone."""
+        try:
+            with self.batch.record() as s:
+                outcome, ref = write(s)
+        except IntegrityError as exc:
+            self._failed(item, f"conflicts with the store: {exc.orig}")
+        except (InvalidRecord, ValueError) as exc:
+            self._failed(item, str(exc))
+        else:
+            self._done(item, outcome, ref)
+
+    def _failed(self, item: Parsed, message: str) -> None:
+        self.report.failed.append(InvalidRecord(message, source=item.source_uri, line=item.line).as_dict())
+
+    def _done(self, item: Parsed, outcome: str, ref: str) -> None:
+        report, record = self.report, item.record
+        setattr(report, outcome, getattr(report, outcome) + 1)
+        report.ids.append(ref)
+        if isinstance(record, NoteRecord):
+            report.note_chunks[item.source_uri] = max(report.note_chunks.get(item.source_uri, 0), record.chunk + 1)
+        elif outcome != "unchanged":
+            report.projects.add(record.project)
