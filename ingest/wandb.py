@@ -141,10 +141,15 @@ def read_log(data: bytes, problems: list[str]) -> Iterator[Any]:
         crc, length, kind = CHUNK.unpack_from(data, pos)
         body = data[pos + CHUNK.size: pos + CHUNK.size + length]
         if zlib.crc32(bytes([kind]) + body) != crc:
-            if len(body) < length or pos + CHUNK.size + length > len(data):
+            # A chunk never crosses its block's end, so a length that would is itself corrupt;
+            # one that only runs past the file's end is a tail still being written.
+            if CHUNK.size + length > room:
+                problems.append(f"checksum mismatch at byte {pos} (corrupt chunk length {length})")
+            elif pos + CHUNK.size + length > len(data):
                 problems.append(f"truncated record at byte {pos}")
                 return
-            problems.append(f"checksum mismatch at byte {pos}")
+            else:
+                problems.append(f"checksum mismatch at byte {pos}")
             pos, pending, resyncing = (pos // BLOCK + 1) * BLOCK, None, True
             continue
         pos += CHUNK.size + length

@@ -151,11 +151,30 @@ def test_a_torn_log_keeps_what_was_written_before_the_tear(wandb_dir, tmp_path):
     assert loss == whole_rec.metrics["train/loss"][: len(loss)]       # a prefix, point for point
 
 
-def test_a_corrupt_byte_costs_only_its_block(wandb_dir, tmp_path):
+def _chunk_at(data: bytes, near: int) -> tuple[int, int]:
+    """(header position, body length) of the first chunk at or after byte `near`."""
+    from ingest.wandb import BLOCK, CHUNK, FILE_HEADER
+    pos = FILE_HEADER.size
+    while True:
+        room = BLOCK - pos % BLOCK
+        if room < CHUNK.size:
+            pos += room
+            continue
+        length = CHUNK.unpack_from(data, pos)[1]
+        if pos >= near and length > 8:
+            return pos, length
+        pos += CHUNK.size + length
+
+
+# The damaged byte is placed in a chunk's body or its length field, found by walking the chunks:
+# a fixed offset lands on either depending on how wandb batched that run's history.
+@pytest.mark.parametrize("where", ["body", "length"])
+def test_a_corrupt_byte_costs_only_its_block(wandb_dir, tmp_path, where):
     log = _copy_run(wandb_dir, tmp_path)
     (whole,) = [p.record for p in _parsed(ING.read(str(log.parent))).values()]
     data = bytearray(log.read_bytes())
-    data[int(len(data) * 0.85)] ^= 0xFF                 # inside the history, after the run record
+    pos, length = _chunk_at(data, int(len(data) * 0.85))   # inside the history, after the run record
+    data[pos + 7 + length // 2 if where == "body" else pos + 5] ^= 0xFF   # 5: the length's high byte
     log.write_bytes(bytes(data))
     (item,) = list(ING.read(str(log.parent)))
     assert isinstance(item, Parsed) and "checksum mismatch" in item.record.meta["log_problem"]
