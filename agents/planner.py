@@ -16,6 +16,7 @@ previous turn's plan (or {"plan": plan}), so "and at 350M?" reuses the last ques
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +28,9 @@ from agents.planner_parse import Plan, follow_up, parse
 from agents.planner_sql import GROUP_MEMBERS, field, run, statement
 from kb.query_sql import codepoint
 from agents.planner_words import HIGHER_IS_BETTER, label
-from agents.sql import ReadOnlySQL, SQLResult
+from agents.sql import ReadOnlySQL, SQLResult, SQLTimeout
 
+log = logging.getLogger(__name__)
 MAX_QUESTION = 500       # characters; longer is prose for the retriever, not a quantitative question
 MAX_LISTED = 20          # values or keys written out in one answer; the rows keep them all
 # a word that may be a run's name: it has a digit or a joiner (ids and names people paste)
@@ -55,7 +57,13 @@ def plan_and_answer(question: str, kb, *, context: Any = None, sql: ReadOnlySQL 
         def linker(words: list[str]) -> dict[str, tuple[str, str]]:
             todo = [w for w in dict.fromkeys(words) if w not in known]
             if todo:
-                found = link_words(ro, todo)
+                try:
+                    found = link_words(ro, todo)
+                except SQLTimeout:
+                    # words left unlinked parse as plain words: a question still gets its
+                    # answer (less pinned down), not an error, when a huge store is slow here
+                    log.warning("linking the question's words to runs timed out; answering without links")
+                    found = {}
                 known.update({w: found.get(w) for w in todo})
             return {w: known[w] for w in words if known.get(w)}
 

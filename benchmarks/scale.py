@@ -9,7 +9,7 @@ Each size adds runs to the same store (benchmarks/scale_runs.py: sweeps over 6 m
 batch, warmup, norm and seeds, ~5% diverged, curves of --points-per-run points), then measures:
 
 - ingest: KnowledgeBase.ingest_records(batch, index=False), --batch runs a call, the product's own
-  path (on Postgres: row inserts in one transaction per 500 runs; it has no COPY path today);
+  path (runs written 64 at a time; on Postgres through COPY);
 - `kb runs --where`: k.runs(where, sort='summary.val/loss', limit=20) in process, p50/p95 over
   --repeats queries for filters that select ~0.1%, 1%, 10% and 50% of the runs (each repeat asks
   for other values; the match count is measured, not assumed); on Postgres again after an ANALYZE
@@ -201,17 +201,23 @@ def bench_store(k, sizes: list[int], args, label: str) -> list[dict]:
     embedder = SampledEmbedder(k, args.real_cards)
     steps, have = [], 0
     for size in sizes:
+        # each figure printed as it is measured: a step that fails later still leaves them
         step = {"runs": size, "points": size * args.points_per_run,
                 "ingest": ingest(k, have, size, args.points_per_run, args.batch)}
+        _partial(label, size, "ingest", step["ingest"])
         have = size
         step["query"] = measure_queries(k, size, args.repeats)
+        _partial(label, size, "query", {f: q["p50_ms"] for f, q in step["query"].items()})
         if k.engine.dialect.name == "postgresql":
             # ingest_records runs ANALYZE only after a call of more than ANALYZE_AFTER (1,000) runs,
             # so batches of 1,000 leave the planner's statistics to autovacuum: measured both ways
             analyze_schema(k)
             step["query_after_analyze"] = measure_queries(k, size, args.repeats)
+            _partial(label, size, "query after ANALYZE",
+                     {f: q["p50_ms"] for f, q in step["query_after_analyze"].items()})
         if not args.skip_retrieval:
             step["retrieval"] = measure_retrieval(k, embedder, args.repeats)
+            _partial(label, size, "retrieval", step["retrieval"])
         step["ask"] = measure_ask(k, args.ask_repeats)
         disk = sql_disk_bytes(k)
         step |= {"peak_rss_mb": peak_rss_mb(), "sql_bytes": disk, "sql_bytes_per_run": round(disk / size),
@@ -222,6 +228,10 @@ def bench_store(k, sizes: list[int], args, label: str) -> list[dict]:
               f"retrieval p50 {step['retrieval']['p50_ms'] if 'retrieval' in step else '-'} ms, "
               f"ask p50 {step['ask']['p50_ms']:.1f} ms", flush=True)
     return steps
+
+
+def _partial(label: str, size: int, what: str, figures: dict) -> None:
+    print(f"    {label} {size:,} runs, {what}: {json.dumps(figures)}", flush=True)
 
 
 # ---- MLflow on the same runs -----------------------------------------------------------------

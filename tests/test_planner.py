@@ -324,3 +324,18 @@ def test_any_question_parses_to_a_plan_or_none_and_every_plan_renders(words):
         assert plan.shape in BUILDERS
         for dialect in ("sqlite", "postgresql"):
             check_select(render(statement(plan), dialect))
+
+
+def test_a_timed_out_word_lookup_still_answers(history, monkeypatch):
+    """At 100,000 runs on Postgres the lookup of the question's words (run ids, names, projects,
+    config values) once ran past the 5 s statement timeout and `ask` raised: the planner now
+    answers without the links, as for a question that names no run."""
+    import agents.planner as planner
+    from agents.sql import SQLTimeout
+
+    def slow(ro, words):
+        raise SQLTimeout("query cancelled after 5000 ms (statement_timeout)")
+
+    monkeypatch.setattr(planner, "link_words", slow)
+    a = ask(history, "Which learning rate gave the lowest val loss for the 125M runs?")
+    assert ids(a)[0] == "125m-lr0.0003-w2000" and a.sql
