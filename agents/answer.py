@@ -23,19 +23,12 @@ from typing import Iterator
 from agents.corpus import Chunk, chunks_by_key, record_values
 from agents.evidence import NO_EVIDENCE, Answer, Citation
 from agents.retrieve import Retrieved, Retriever
-from agents.sparse import tokens
+from agents.sparse import GENERIC, tokens
 from agents.verify import Claim, numbers_in, sentences, unsupported, values_of
 
 log = logging.getLogger(__name__)
 
 CONTEXT_CHUNKS = 3        # what the 135M default reads well in one prompt (~450 tokens, ~3 s of CPU)
-# words every question here uses: a match on these alone is no evidence of the topic
-GENERIC = frozenset(tokens(
-    "run runs model models training train trained val validation eval loss losses learning rate lr "
-    "best worst lowest highest better worse mean average compare gave give get got result results "
-    "experiment experiments know learn learned about tell me show list any all many much "
-    "step steps final value values param params token tokens size batch config configuration "
-    "team we our us happen happened change changed effect effects"))
 ANSWER_SCHEMA = {
     "type": "object",
     "properties": {"sentences": {"type": "array", "maxItems": 4, "items": {

@@ -28,7 +28,7 @@ _METRIC_ORDER = ("val/loss", "train/loss")
 
 def explain(kb, question: str, retriever) -> Answer | None:
     if _KNOW.search(question):
-        return what_we_know(kb, question)
+        return what_we_know(kb, question, retriever)
     m = _WORSE.search(question)
     if m:
         b, a = _one_run(retriever, m.group("b")), _one_run(retriever, m.group("a"))
@@ -76,7 +76,7 @@ def _compare(kb, a, b) -> Answer:
         more = f" (and {len(diffs) - _MAX_DIFFS} more)" if len(diffs) > _MAX_DIFFS else ""
         out.append(f"Their configurations differ in {listed}{more} [1][2].")
     else:
-        out.append(f"Their configurations are identical, so the difference is noise or data order [1][2].")
+        out.append("Their configurations are identical, so the difference is noise or data order [1][2].")
     _failure_sentences(b, cites, out)
     seen = {(x["kind"], x["key"]) for x in a.anomalies}
     for an in [x for x in b.anomalies if (x["kind"], x["key"]) not in seen][:3]:
@@ -121,13 +121,16 @@ def _postmortems(run, retriever, cites: list[Citation], out: list[str], limit: i
 
 def _failure_sentences(run, cites: list[Citation], out: list[str]) -> None:
     for f in run.failures[:2]:
-        if f.get("id") is None:
-            continue
-        cites.append(Citation("failure", str(f["id"]), (f.get("evidence") or f.get("message") or "")[:200]))
-        at = f" at step {f['step']}" if f.get("step") is not None else ""
-        line = (f.get("evidence") or f.get("message") or "").strip().splitlines()
-        said = f": {line[0][:160]}" if line else ""
-        out.append(f"Run {run.id} failed with {f['kind']}{at}{said} [{len(cites)}].")
+        if f.get("id") is not None:
+            _failure_sentence(run.id, f, cites, out)
+
+
+def _failure_sentence(run_id: str, f: dict, cites: list[Citation], out: list[str]) -> None:
+    cites.append(Citation("failure", str(f["id"]), (f.get("evidence") or f.get("message") or "")[:200]))
+    at = f" at step {f['step']}" if f.get("step") is not None else ""
+    line = (f.get("evidence") or f.get("message") or "").strip().splitlines()
+    said = f": {line[0][:160]}" if line else ""
+    out.append(f"Run {run_id} failed with {f['kind']}{at}{said} [{len(cites)}].")
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]]:
@@ -137,11 +140,23 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
     return [(prefix + k, la.get(k, "unset"), lb.get(k, "unset")) for k in keys if la.get(k) != lb.get(k)]
 
 
-def what_we_know(kb, question: str) -> Answer | None:
+def what_we_know(kb, question: str, retriever=None) -> Answer | None:
     """ "What do we know about batch size 256 vs 512?": the ablations whose factor the question
-    names (by the vocabulary's name for it, or by the values it compared), each with its values,
-    their final metric and whether the effect clears the seed noise. None when no ablation is
-    about it (notes are then for retrieval to find)."""
+    names, the failures of a kind it names ("the NCCL timeouts") with their evidence lines, and
+    the lines of notes about its topic, each cited. None when no record is about it."""
+    cites: list[Citation] = []
+    out: list[str] = []
+    _ablation_findings(kb, question, cites, out)
+    _failure_findings(kb, question, cites, out)
+    if retriever is not None:
+        _note_findings(retriever, question, cites, out)
+    return Answer(" ".join(out), cites) if out else None
+
+
+def _ablation_findings(kb, question: str, cites: list[Citation], out: list[str]) -> None:
+    """The ablations whose factor the question names (by the vocabulary's name for it, or by the
+    values it compared), each with its values, their final metric and whether the effect clears
+    the seed noise."""
     from sqlmodel import Session, select
 
     from agents.planner import fmt
@@ -163,10 +178,7 @@ def what_we_know(kb, question: str) -> Answer | None:
             by_value = asked & value_tokens
             if by_name or len(by_value) >= 1 and any(not t[0].isdigit() for t in by_value) or len(by_value) >= 2:
                 scored.append((by_name + len(by_value), abl))
-    if not scored:
-        return None
     scored.sort(key=lambda x: (-x[0], x[1].project, x[1].id))
-    cites, out = [], []
     for _, abl in scored[:_MAX_ABLATIONS]:
         ok = [v for v in abl.variants if v.get("metric") is not None]
         if not ok:
@@ -182,7 +194,58 @@ def what_we_know(kb, question: str) -> Answer | None:
                      f"(sigma {abl.effect['seed_sigma']:.4g})")
         out.append(f"In project {abl.project}, the ablation of {abl.factor} gave final {abl.metric} {listed}; "
                    f"the lowest was {_value(best['value'])}{noise} [{len(cites)}].")
-    return Answer(" ".join(out), cites) if out else None
+
+
+# failure kinds (kb.records.FailureKind) by the words people use for them
+_FAILURE_WORDS = (("oom", re.compile(r"\bo\.?o\.?ms?\b|out[- ]of[- ]memory", re.I)),
+                  ("nccl_timeout", re.compile(r"\bnccl\b|collective timeouts?|watchdog", re.I)),
+                  ("hardware", re.compile(r"\bhardware\b|\becc\b|\bxid\b|gpu (?:fault|error|failure)s?", re.I)),
+                  ("diverged", re.compile(r"\bdiverg\w*|\bnans?\b|blow[- ]?ups?", re.I)),
+                  ("killed", re.compile(r"\bpreempt\w*|\bkilled\b", re.I)))
+_MAX_FAILURES = 4
+
+
+def _failure_findings(kb, question: str, cites: list[Citation], out: list[str]) -> None:
+    """Failures of the kinds the question names (by kind, then run), each with its evidence line."""
+    from sqlmodel import Session, select
+
+    from kb.models import Failure
+
+    kinds = [kind for kind, words in _FAILURE_WORDS if words.search(question)]
+    if not kinds:
+        return
+    with Session(kb.engine) as s:
+        found = s.exec(select(Failure).where(Failure.kind.in_(kinds))
+                       .order_by(Failure.kind, Failure.run_id, Failure.id).limit(_MAX_FAILURES)).all()
+    for f in found:
+        _failure_sentence(f.run_id, {"id": f.id, "kind": f.kind, "step": f.step, "message": f.message,
+                                     "evidence": f.evidence}, cites, out)
+
+
+def _note_findings(retriever, question: str, cites: list[Citation], out: list[str], limit: int = 2) -> None:
+    """The line of each of the top notes that holds the question's topic: its words (not its
+    generic ones: a note that shares only "loss" with the question is not about it), or the words
+    for a failure kind it names ("the divergences" is about the line where a run "went NaN")."""
+    from agents.sparse import GENERIC, tokens
+
+    wanted = set(tokens(question)) - GENERIC
+    kinds = [words for _, words in _FAILURE_WORDS if words.search(question)]
+    if not wanted and not kinds:
+        return
+
+    def topic(line: str) -> int:
+        return len(wanted & set(tokens(line))) + sum(bool(words.search(line)) for words in kinds)
+
+    for h in retriever.retrieve(question, k=6, kinds={"note"}):
+        # the first line is the title, and a heading is no finding
+        lines = [ln.strip() for ln in h.chunk.text.splitlines()[1:] if ln.strip() and not ln.lstrip().startswith("#")]
+        best = max(lines or [h.chunk.text.strip()], key=topic)
+        if not topic(best):
+            continue
+        cites.append(Citation("note", h.chunk.id, best[:200]))
+        out.append(f"A note says: {best[:240].rstrip('.')} [{len(cites)}].")
+        if sum(c.kind == "note" for c in cites) >= limit:
+            return
 
 
 def _value(value) -> str:

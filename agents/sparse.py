@@ -70,6 +70,15 @@ def _number(tok: str) -> str | None:
     return f"{value:.6g}"
 
 
+# words every question here uses: a match on these alone is no evidence of the topic
+GENERIC = frozenset(tokens(
+    "run runs model models training train trained val validation eval loss losses learning rate lr "
+    "best worst lowest highest better worse mean average compare gave give get got result results "
+    "experiment experiments know learn learned about tell me show list any all many much "
+    "step steps final value values param params token tokens size batch config configuration "
+    "team we our us happen happened change changed effect effects"))
+
+
 def signature(engine: Engine) -> str:
     """What the chunks were built from, cheaply: counts and newest writes of each table."""
     parts = []

@@ -86,6 +86,17 @@ def test_a_failure_explanation_cites_the_postmortem_that_names_the_run(history):
     assert "1200" in a.text and {"run", "failure"} <= {c.kind for c in a.citations}
 
 
+def test_what_we_know_gathers_the_failures_and_notes_on_a_topic(history):
+    a = history.ask("What do we know about the divergences?")
+    failures = [c for c in a.citations if c.kind == "failure"]
+    notes = [c for c in a.citations if c.kind == "note"]
+    assert len(failures) == 2 and notes, a.text        # small-lr0.003 and base-lr0.003 diverged
+    assert all(_exists(history, c) for c in a.citations)
+    assert "1200" in a.text and "small-lr0.003" in a.text
+    a = history.ask("What do we know about rmsnorm?")
+    assert [c.kind for c in a.citations][:1] == ["ablation"] and not any(c.kind == "failure" for c in a.citations)
+
+
 def test_the_answer_says_what_it_read(history):
     a = history.ask("Which learning rate gave the lowest val loss for the 125M runs?")
     assert a.retrieved[0] == f"run:{a.citations[0].id}"
