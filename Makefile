@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+TEST_WORKERS ?= 2
 
 .PHONY: demo test install
 
@@ -21,5 +22,6 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kb demo
 
+# one pytest worker per core; TEST_WORKERS=0 runs the suite in one process
 test: $(STAMP)
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
