@@ -40,7 +40,7 @@ from ingest.log_code import find_code, hyperparameters
 from ingest.log_config import STEP_KEYS, literal_dict, read_config
 from kb.errors import InvalidRecord
 from kb.failures import FATAL, classify, trim as _trim
-from kb.records import INT64, Item, Parsed, RunRecord, json_safe, parse_run
+from kb.records import INT64, Item, Parsed, RunRecord, json_safe, parse_run, path_text
 
 HEAD_BYTES = 256 * 1024      # detection reads this much of a .txt, and 8x more of a .log/.out/.err:
 NAMED_HEAD_BYTES = 2 * 1024 * 1024   # Megatron's argument dump and NCCL's INFO lines come first
@@ -396,7 +396,7 @@ class LogIngester:
         # zeros a crashed node leaves at the end of a preallocated file) are no text at all
         text = raw.decode("utf-8-sig", errors="replace").replace("\x00", "")
         # llm.c writes `<output dir>/main.log`: the folder names the run
-        name = _text(path.parent.name if path.name == "main.log" and path.parent.name else path.stem)
+        name = path_text(path.parent.name if path.name == "main.log" and path.parent.name else path.stem)
         data = parse_log(text, name)
         if not data["metrics"] and not data["config"]:
             why = "no step/metric lines recognised (expected lines like 'iter 100: loss 4.23' or " \
@@ -410,13 +410,7 @@ class LogIngester:
         except InvalidRecord as exc:
             yield rejected(path, exc.error, field=exc.field)
             return
-        yield Parsed(record, "log", _text(str(path.resolve())))
-
-
-def _text(name: str) -> str:
-    """A file name as text: bytes that are not UTF-8 (kept by the OS as surrogate escapes, which
-    no store holds) written as `\\xff`, so the run's name and source stay unique and stable."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        yield Parsed(record, "log", str(path.resolve()))
 
 
 def storable(data: dict) -> RunRecord:

@@ -21,7 +21,7 @@ from typing import Iterator
 
 from ingest.base import register, rejected
 from ingest.logs import log_score
-from kb.records import Item, NoteRecord, Parsed
+from kb.records import Item, NoteRecord, Parsed, path_text
 
 TARGET_WORDS = 250
 MAX_WORDS = 300
@@ -219,8 +219,8 @@ def _plausible(token: str) -> bool:
 
 def note_records(path: Path, text: str) -> list[NoteRecord]:
     meta, body = front_matter(text)
-    stem = path.stem
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+    stem = path_text(path.stem)
+    digest = hashlib.sha1(path_text(str(path.resolve())).encode()).hexdigest()[:8]
     parts = chunks(body)
     root = meta.get("title") if isinstance(meta.get("title"), str) and meta.get("title") else None
     if root is None:

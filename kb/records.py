@@ -444,12 +444,25 @@ def note_hash(note: NoteRecord, source_kind: str) -> str:
 # Ingesters produce these and KnowledgeBase.ingest consumes them; they live here, in the core,
 # so the store never imports a reader to know what it is handed.
 
+def path_text(name: str) -> str:
+    """A file name as text: bytes that are not UTF-8 (kept by the OS as surrogate escapes, which
+    no store holds) written as `\\xff`, so a run's name and source stay unique and stable."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:          # a lone surrogate that was never a byte
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 @dataclass
 class Parsed:
     record: RunRecord | NoteRecord
     source_kind: str
     source_uri: str
     line: int | None = None
+
+    def __post_init__(self) -> None:
+        # every reader names its source by a path, and a path need not be UTF-8
+        self.source_uri = path_text(self.source_uri)
 
 
 @dataclass

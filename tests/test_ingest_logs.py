@@ -841,11 +841,9 @@ def test_a_log_of_openers_and_unclosed_brackets_is_read_in_linear_time(head):
 
 @pytest.mark.parametrize("name, content, run", [
     (b"\xff-run.log", b"iter 1: loss 2.0\niter 2: loss 1.5\n", "\\xff-run"),
-    pytest.param(b"\xff-runs.jsonl", b'{"name": "a", "config": {"lr": 1}}\n', "a", marks=pytest.mark.xfail(
-        strict=False, reason="not mine to fix (ingest/native.py or kb/runs.py): a native record read from a file "
-                             "whose name is not UTF-8 is refused with \"'utf-8' codec can't encode character "
-                             "'\\udcff' ... surrogates not allowed\": the source URI keeps the OS's surrogate escape")),
-], ids=["log", "native"])
+    (b"\xff-runs.jsonl", b'{"name": "a", "config": {"lr": 1}}\n', "a"),
+    (b"\xff-sweep.csv", b"name,lr\nr1,0.1\n", "r1"),
+], ids=["log", "native", "table"])
 def test_a_file_name_that_is_not_utf8_names_its_run(tmp_path, name, content, run):
     from kb.api import KnowledgeBase
 
@@ -857,4 +855,18 @@ def test_a_file_name_that_is_not_utf8_names_its_run(tmp_path, name, content, run
         report = k.ingest(os.fsdecode(folder), index=False)
         assert (report.added, report.failed) == (1, [])
         assert [r.name for r in k.runs()] == [run]
+        assert k.ingest(os.fsdecode(folder), index=False).unchanged == 1
+
+
+def test_a_note_whose_file_name_is_not_utf8_is_stored(tmp_path):
+    """The note reader hashed the path as UTF-8 and took the whole walk down with it."""
+    from kb.api import KnowledgeBase
+
+    folder = os.fsencode(tmp_path / "notes")
+    os.mkdir(folder)
+    with open(os.path.join(folder, b"\xff-postmortem.md"), "wb") as fh:
+        fh.write(b"# Postmortem\n\nThe lr=3e-3 run went NaN at step 1200.\n")
+    with KnowledgeBase.open(home=tmp_path / "kb") as k:
+        report = k.ingest(os.fsdecode(folder), index=False)
+        assert (report.added, report.failed) == (1, [])
         assert k.ingest(os.fsdecode(folder), index=False).unchanged == 1

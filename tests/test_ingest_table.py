@@ -344,8 +344,6 @@ def test_cli_hostile_folder_exits_2_naming_file_line_and_column(tmp_path, databa
 
 
 @pytest.mark.slow        # ~5 s: a `kb` subprocess
-@pytest.mark.xfail(strict=False, reason="not mine to fix (kb/cli/runs.py): the CLI prints a refused record's field "
-                                        "as it is, so a column named with a line break splits the error over two lines")
 def test_cli_error_for_a_column_named_with_a_line_break_is_one_line(tmp_path):
     path = tmp_path / "t.csv"
     path.write_bytes(b'name,"two\nlines",lr\nr1,\x00,0.1\n')

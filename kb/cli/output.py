@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import click
@@ -20,6 +21,17 @@ def _clean(value):
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return value
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def one_line(text: str) -> str:
+    """Text for one line of output: a control character (a line break in a column's name, a NUL)
+    shown as its escape, and a lone surrogate (a file name that is not UTF-8) as its code, so bad
+    input quoted back can neither split an error line nor fail to print."""
+    text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def emit_json(data) -> None:

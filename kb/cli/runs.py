@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from kb.cli.output import emit_json, num, table
+from kb.cli.output import emit_json, num, one_line, table
 
 RESULT_METRICS = ("val/loss", "train/loss")     # canonical names (kb.vocab), whatever the source logged
 
@@ -57,7 +57,7 @@ def ingest(obj, paths, fmt, project, maps, no_index, show_skipped, as_json):
                 click.echo(f"skipped: {s['source']}: {s['reason']}")
     for f in report.failed:
         where = f["source"] + (f":{f['line']}" if f.get("line") else "")
-        click.echo(f"error: {where}: {f['field'] + ': ' if f.get('field') else ''}{f['error']}", err=True)
+        click.echo(one_line(f"error: {where}: {f['field'] + ': ' if f.get('field') else ''}{f['error']}"), err=True)
     if report.failed:
         raise click.exceptions.Exit(2)
 
