@@ -146,10 +146,11 @@ def what_we_know(kb, question: str, retriever=None) -> Answer | None:
     the lines of notes about its topic, each cited. None when no record is about it."""
     cites: list[Citation] = []
     out: list[str] = []
+    kinds = {kind: words for kind, words in _FAILURE_WORDS if words.search(question)}
     _ablation_findings(kb, question, cites, out)
-    _failure_findings(kb, question, cites, out)
+    _failure_findings(kb, kinds, cites, out)
     if retriever is not None:
-        _note_findings(retriever, question, cites, out)
+        _note_findings(retriever, question, kinds, cites, out)
     return Answer(" ".join(out), cites) if out else None
 
 
@@ -205,36 +206,35 @@ _FAILURE_WORDS = (("oom", re.compile(r"\bo\.?o\.?ms?\b|out[- ]of[- ]memory", re.
 _MAX_FAILURES = 4
 
 
-def _failure_findings(kb, question: str, cites: list[Citation], out: list[str]) -> None:
+def _failure_findings(kb, kinds: dict, cites: list[Citation], out: list[str]) -> None:
     """Failures of the kinds the question names (by kind, then run), each with its evidence line."""
     from sqlmodel import Session, select
 
     from kb.models import Failure
 
-    kinds = [kind for kind, words in _FAILURE_WORDS if words.search(question)]
     if not kinds:
         return
     with Session(kb.engine) as s:
-        found = s.exec(select(Failure).where(Failure.kind.in_(kinds))
+        found = s.exec(select(Failure).where(Failure.kind.in_(sorted(kinds)))
                        .order_by(Failure.kind, Failure.run_id, Failure.id).limit(_MAX_FAILURES)).all()
     for f in found:
         _failure_sentence(f.run_id, {"id": f.id, "kind": f.kind, "step": f.step, "message": f.message,
                                      "evidence": f.evidence}, cites, out)
 
 
-def _note_findings(retriever, question: str, cites: list[Citation], out: list[str], limit: int = 2) -> None:
+def _note_findings(retriever, question: str, kinds: dict, cites: list[Citation], out: list[str],
+                   limit: int = 2) -> None:
     """The line of each of the top notes that holds the question's topic: its words (not its
     generic ones: a note that shares only "loss" with the question is not about it), or the words
     for a failure kind it names ("the divergences" is about the line where a run "went NaN")."""
     from agents.sparse import GENERIC, tokens
 
     wanted = set(tokens(question)) - GENERIC
-    kinds = [words for _, words in _FAILURE_WORDS if words.search(question)]
     if not wanted and not kinds:
         return
 
     def topic(line: str) -> int:
-        return len(wanted & set(tokens(line))) + sum(bool(words.search(line)) for words in kinds)
+        return len(wanted & set(tokens(line))) + sum(bool(words.search(line)) for words in kinds.values())
 
     for h in retriever.retrieve(question, k=6, kinds={"note"}):
         # the first line is the title, and a heading is no finding

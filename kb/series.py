@@ -70,11 +70,11 @@ def _pack_any(points: Sequence[Sequence]) -> Packed:
     n = len(points)
     steps = np.fromiter((p[0] for p in points), _STEP, n)
     values = np.array([p[1] for p in points], _FLOAT)        # None -> NaN, marked below
-    flags = np.zeros(n, _FLAG) if any(p[1] is None for p in points) else None
-    if flags is not None:
-        for i, p in enumerate(points):
-            if p[1] is None:
-                flags[i] = NULL_VALUE
+    flags = None
+    nulls = [i for i, p in enumerate(points) if p[1] is None]
+    if nulls:
+        flags = np.zeros(n, _FLAG)
+        flags[nulls] = NULL_VALUE
     walls = None
     if any(len(p) > 2 for p in points):
         walls = np.array([p[2] if len(p) > 2 else None for p in points], _FLOAT)

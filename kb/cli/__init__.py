@@ -12,6 +12,7 @@ import traceback
 
 import click
 
+from kb.cli.output import printable
 from kb.errors import InvalidRecord, KBError, NotFound, QueryError, UnknownFormat
 
 BAD_INPUT = (InvalidRecord, QueryError, UnknownFormat, NotFound)
@@ -153,8 +154,7 @@ def _error(message: str, context: Context | None = None, multiline: bool = False
     if not multiline:
         lines = [" ".join(line.strip() for line in lines)]
     text = "\n".join(lines)
-    # a message may quote bad input back (lone surrogates included): never fail to print it
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    text = printable(text)          # a message may quote bad input back
     click.echo(text if text.startswith("error:") else f"error: {text}", err=True)
 
 

@@ -26,12 +26,16 @@ def _clean(value):
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def one_line(text: str) -> str:
-    """Text for one line of output: a control character (a line break in a column's name, a NUL)
-    shown as its escape, and a lone surrogate (a file name that is not UTF-8) as its code, so bad
-    input quoted back can neither split an error line nor fail to print."""
-    text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+def printable(text: str) -> str:
+    """Text that always prints: a lone surrogate (a file name that is not UTF-8, bad input quoted
+    back) shown as its code instead of failing the write."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def one_line(text: str) -> str:
+    """printable text on one line: a control character (a line break in a column's name, a NUL)
+    shown as its escape, so bad input quoted back cannot split or garble an error line."""
+    return printable(_CONTROL.sub(lambda m: repr(m.group())[1:-1], text))
 
 
 def emit_json(data) -> None:
