@@ -68,7 +68,7 @@ class TensorBoardIngester:
             return 80 if _is_event_file(path.name) else 0
         if not path.is_dir():
             return 0
-        direct, deep = False, False
+        direct, deep, stray = False, False, False
         for folder, names in _walk(path):
             if HF_STATE in names:
                 # a Trainer folder (or a tree of them) also holds runs/ events; let
@@ -77,7 +77,12 @@ class TensorBoardIngester:
             if any(_is_event_file(n) for n in names):
                 direct = direct or folder == path
                 deep = True
-        return 80 if direct else 60 if deep else 0
+            elif any(not n.startswith(".") for n in names):
+                stray = True
+        # a folder whose event files sit somewhere below, beside folders of other files (a CSV,
+        # notes, logs), is no TensorBoard tree: claiming it would hide those files from the walk,
+        # which then claims the event folders one by one
+        return 80 if direct else 60 if deep and not stray else 0
 
     def read(self, target: str) -> Iterator[Item]:
         try:

@@ -66,6 +66,25 @@ def test_a_walk_accounts_for_every_file(tmp_path):
                        "train.py": "source code", "sweep.yaml": "configuration file (not a run by itself)"}
 
 
+def test_event_files_below_a_mixed_folder_do_not_hide_its_other_files(tmp_path):
+    """TensorBoard claimed any folder with event files somewhere below, so a folder holding a
+    sweep CSV, notes and a tb/ tree was read as one TensorBoard tree and the rest vanished
+    without a word: the walk now claims the tb/ tree alone and reads the others."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for run in ("run-a", "run-b"):
+        with SummaryWriter(str(tmp_path / "tb" / run)) as w:
+            w.add_scalar("eval/loss", 3.0, 10)
+    (tmp_path / "sweep.csv").write_text("name,lr,loss\nr1,0.001,3.2\n")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "postmortem.md").write_text("# Postmortem\n\nThe lr=1 run went NaN.\n")
+    plan = resolve(str(tmp_path))
+    assert sorted((r.ingester.name, r.source.rsplit("/", 1)[-1]) for r in plan.reads) == [
+        ("notes", "postmortem.md"), ("table", "sweep.csv"), ("tensorboard", "tb")]
+    assert (plan.failed, plan.skipped) == ([], [])
+    assert names(tmp_path / "tb") == ["tensorboard"]            # a tree of event folders is still one read
+
+
 def test_a_folder_with_no_runs_is_an_error(tmp_path):
     (tmp_path / "a.png").write_bytes(b"\0" * 8)
     with pytest.raises(UnknownFormat, match="no runs or notes in this folder"):
