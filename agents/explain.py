@@ -224,10 +224,11 @@ def _failure_findings(kb, kinds: dict, cites: list[Citation], out: list[str]) ->
 
 def _note_findings(retriever, question: str, kinds: dict, cites: list[Citation], out: list[str],
                    limit: int = 2) -> None:
-    """The line of each of the top notes that holds the question's topic: its words (not its
+    """The sentence of each of the top notes that holds the question's topic: its words (not its
     generic ones: a note that shares only "loss" with the question is not about it), or the words
     for a failure kind it names ("the divergences" is about the line where a run "went NaN")."""
     from agents.sparse import GENERIC, tokens
+    from agents.verify import sentences
 
     wanted = set(tokens(question)) - GENERIC
     if not wanted and not kinds:
@@ -237,9 +238,10 @@ def _note_findings(retriever, question: str, kinds: dict, cites: list[Citation],
         return len(wanted & set(tokens(line))) + sum(bool(words.search(line)) for words in kinds.values())
 
     for h in retriever.retrieve(question, k=6, kinds={"note"}):
-        # the first line is the title, and a heading is no finding
+        # the first line is the title, and a heading is no finding; one sentence is quoted, as
+        # the verifier reads the answer sentence by sentence and keeps only those that cite
         lines = [ln.strip() for ln in h.chunk.text.splitlines()[1:] if ln.strip() and not ln.lstrip().startswith("#")]
-        best = max(lines or [h.chunk.text.strip()], key=topic)
+        best = max((sent for ln in lines or [h.chunk.text.strip()] for sent in sentences(ln)), key=topic, default="")
         if not topic(best):
             continue
         cites.append(Citation("note", h.chunk.id, best[:200]))
