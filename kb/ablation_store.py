@@ -201,7 +201,10 @@ class _Refresh:
         tags |= {(a.project, name_of(a.factor)) for a in replaced.values() if a.bucket is not None}
         tags |= {(a["project"], name_of(a["factor"])) for a in found.values()}
         self._redo_tags(tags, replaced, found)
-        _replace(conn, set(replaced), list(found.values()), set(queued))
+        # a rebuilt project's runs had their fields written by the rebuild; one that an ablation of
+        # another project held (a run that moved) is among that ablation's members below
+        rebuilt = {r for r in queued if r in self.rows and self.rows[r].project in self.skip}
+        _replace(conn, set(replaced), list(found.values()), set(queued) - rebuilt)
 
     def _redo_tags(self, tags: set[tuple[str, str]], replaced: dict, found: dict) -> None:
         """Tag ablations of (project, factor) pairs: the old replaced, the new into `found`."""

@@ -248,3 +248,37 @@ def test_one_run_twice_in_one_batch_is_written_in_order(kb):
     assert (report.added, report.updated, report.unchanged, report.failed) == (2, 1, 1, [])
     assert report.ids == ["twice", "other", "twice", "twice"]
     assert kb.run("twice").metrics["loss"][-1] == [10, 2.5]
+
+
+def test_groups_notes_and_a_failing_run_keep_their_order_across_groups(kb, monkeypatch):
+    """Runs go in GROUP_RUNS at a time (on Postgres, a group written by a thread while the next
+    is prepared): a note after run 100 finds run 99 written already, a run whose write fails in
+    the second group fails alone, and the report lists every record in the order given."""
+    import kb.runs as runs_mod
+    from kb.record_writer import GROUP_RUNS, IngestReport, RecordWriter
+    from kb.records import NoteRecord, Parsed, parse_run
+    real_bulk = runs_mod._bulk
+
+    def failing_bulk(conn, model, rows, columns=None):
+        if model is MetricSeries and any(r[0] == "r70" for r in rows):
+            raise ValueError("a bad curve")
+        real_bulk(conn, model, rows, columns)
+
+    monkeypatch.setattr(runs_mod, "_bulk", failing_bulk)
+    runs = [Parsed(parse_run({"id": f"r{i}", "project": "p", "config": {"lr": i * 1e-4, "seed": 0},
+                              "metrics": {"loss": [[0, 5.0], [10, 4.0 - i / 1000]]}}), "native", "runs.jsonl", i + 1)
+            for i in range(2 * GROUP_RUNS + 22)]
+    note = Parsed(NoteRecord(id="n1", project="p", text="r99 was the best so far", mentions=["r99", "r120"]),
+                  "notes", "notes.md", 1)
+    report = IngestReport()
+    with RecordWriter(kb.engine, report) as writer:
+        for item in runs[:101] + [note] + runs[101:]:
+            writer.add(item)
+    expected = [f"r{i}" for i in range(101) if i != 70] + ["n1"] + [f"r{i}" for i in range(101, len(runs))]
+    assert report.ids == expected
+    assert (report.added, [f["line"] for f in report.failed]) == (len(runs), [71])
+    assert "a bad curve" in report.failed[0]["error"]
+    with Session(kb.engine) as s:
+        from kb.models import Note
+        assert s.get(Note, "n1").mentions == ["r99"]          # r120 came after the note
+        assert s.execute(select(func.count()).select_from(Run)).scalar_one() == len(runs) - 1
