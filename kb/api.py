@@ -143,7 +143,7 @@ class KnowledgeBase:
     def runs(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
              project: str | None = None) -> list[RunPublic]:
         from kb.query import Compare, render
-        from kb.query_sql import choose_driver, top_ids
+        from kb.query_sql import choose_driver, top_ids, walk_ids
 
         if project:       # part of the query, so the plan knows about it
             scope = render(Compare(("project",), "=", project))
@@ -154,7 +154,9 @@ class KnowledgeBase:
             driver = choose_driver(conn, where)
             first = top_ids(where, sort, limit, driver) if sort and limit and limit <= TOP_IDS_MAX else None
             if first is not None:        # the best few found from RunField alone, then read by id
-                ids = list(conn.execute(first).scalars())
+                ids = walk_ids(conn, where, sort, limit)
+                if ids is None:
+                    ids = list(conn.execute(first).scalars())
                 found = {row.id: row for row in conn.execute(_RUNS_BY_ID, {"ids": ids})} if ids else {}
                 return [RunPublic.of(found[i]) for i in ids if i in found]     # (deleted in between)
             stmt = _runs_statement(where, sort, limit, driver)

@@ -369,14 +369,66 @@ def choose_driver(conn, where: str | Node | None) -> int | None:
     return min(range(len(sizes)), key=lambda i: (sizes[i], i != default, i))
 
 
-@lru_cache(maxsize=256)
 def _counts(where: str) -> Select | None:
+    return _sizes(where) if len(_items(where).tests) >= 2 else None
+
+
+@lru_cache(maxsize=256)
+def _sizes(where: str) -> Select | None:
+    """Each joined test's matching rows, counted up to DRIVER_COUNT_CAP, in one statement."""
     tests = _items(where).tests
-    if len(tests) < 2:
+    if not tests:
         return None
     return select(*(select(func.count()).select_from(
         select(literal(1)).where(_balanced(and_, [_RF.key == k, *(_field_cond(n, _RF) for n in nodes)]))
         .limit(DRIVER_COUNT_CAP).subquery()).scalar_subquery() for k, nodes in tests))
+
+
+WALK_BUDGET = 1000      # sort-key rows a walk reads before it leaves the query to the driven plan
+
+
+def walk_ids(conn, where: str | Node | None, sort: str, limit: int) -> list[str] | None:
+    """The ids of the first `limit` runs in `apply_query`'s order, found by walking the sort key's
+    numbers in order through its (key, vtype, num) index and probing each run's tests by primary
+    key, at most WALK_BUDGET runs; None when the walk does not apply or did not find `limit`.
+
+    For a filter that every test matches broadly (each past DRIVER_COUNT_CAP rows: `norm =
+    'rmsnorm'`, half the runs), the driven plan reads every match to sort them, while ~limit /
+    selectivity steps of the walk find the first few. The walk is a prefix of the whole order
+    (numbers sort before any other value, ties by run id), so what it finds is the answer; the
+    budget bounds what a walk that finds too little costs (matches far down the order) before
+    `top_ids` answers as it always did."""
+    if where is None:
+        return None
+    text = where if isinstance(where, str) else render(where)
+    walk = _walk(text, sort, limit)
+    if walk is None or min(conn.execute(_sizes(text)).one()) < DRIVER_COUNT_CAP:
+        return None
+    ids = list(conn.execute(walk).scalars())
+    return ids if len(ids) == limit else None
+
+
+@lru_cache(maxsize=256)
+def _walk(where: str, sort: str, limit: int) -> Select | None:
+    items = _items(where)
+    sort_keys = parse_sort(sort)
+    if len(sort_keys) != 1 or items.more or items.exists or items.other or not items.tests or limit > WALK_BUDGET:
+        return None
+    key, desc = sort_keys[0]
+    if key[0] in COLUMNS or canonical(key) in dict(items.tests):
+        return None
+    w = _alias(len(items.tests))
+    order = (_direct(w.num, desc), codepoint(w.run_id).asc())
+    walked = (select(w.run_id, w.num).where(w.key == canonical(key), w.vtype == "n")
+              .order_by(*order).limit(WALK_BUDGET).subquery("walked"))
+    # each test a probe of the walked run's row by primary key: as a join, or an EXISTS Postgres
+    # may turn into a hashed subplan, it would read every match first, the cost the walk avoids
+    # (Postgres neither pulls up nor hashes an EXISTS with an OFFSET)
+    probes = [standalone(select(literal(1)).where(_balanced(and_, [
+        f.run_id == walked.c.run_id, f.key == k, *(_field_cond(n, f) for n in nodes)])).offset(0).exists())
+        for i, (k, nodes) in enumerate(items.tests) for f in [_alias(i)]]
+    return (select(walked.c.run_id).where(_balanced(and_, probes))
+            .order_by(_direct(walked.c.num, desc), codepoint(walked.c.run_id).asc()).limit(limit))
 
 
 def _default_driver(tests: tuple) -> int:

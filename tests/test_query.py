@@ -579,3 +579,47 @@ def test_sql_carries_values_as_parameters_and_orders_by_code_point():
                   .compile(dialect=dialect))
         assert "drop" not in sql
         assert ('COLLATE "C"' in sql) == collate        # Postgres' default collation is not code-point order
+
+
+def broad_records(n: int = 700) -> list[dict]:
+    """Runs where every test matches hundreds (past DRIVER_COUNT_CAP): the sort-order walk's case.
+    Losses tie often (two decimals), some are NaN or text, some runs have none."""
+    rng = random.Random(7)
+    out = []
+    for i in range(n):
+        loss = round(rng.uniform(2.0, 4.0), 2)
+        r = {"id": f"w{i:04d}", "project": "p", "config": {"norm": rng.choice(["rms", "layer"]),
+                                                           "lr": rng.choice([1e-3, 3e-3])}}
+        if i % 50 == 7:
+            r["summary"] = {"loss": "NaN"}
+        elif i % 40 != 3:
+            r["summary"] = {"loss": loss}
+        if i >= n - 300:
+            r["config"]["late"] = True          # broad, but only at the end of the loss order
+            r.setdefault("summary", {})["loss"] = 10 + i / 1000
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("budget", [1000, 30])
+def test_the_sort_order_walk_gives_the_first_of_the_order(kb, budget, monkeypatch):
+    """KnowledgeBase.runs walks the sort key's index for broad filters (and hands over to the
+    driven plan when its budget runs out): the answer is the reference's either way."""
+    import kb.query_sql as qs
+    monkeypatch.setattr(qs, "WALK_BUDGET", budget)
+    qs._walk.cache_clear()
+    records = broad_records()
+    store(kb.engine, complete(records))
+    walked = 0
+    for where in ["config.norm = 'rms'", "config.norm = 'rms' and config.lr = 0.003", "config.lr in (0.001)",
+                  "config.late = true", "config.norm = 'layer' and config.late = true"]:
+        for key, desc in [(("summary", "loss"), False), (("summary", "loss"), True)]:
+            spec = ("-" if desc else "") + "summary.loss"
+            keep = {r["id"] for r in records if evaluate(parse(where), r)}
+            want = [i for i in python_order(records, key, desc) if i in keep]
+            for limit in (1, 5, 20):
+                assert [r.id for r in kb.runs(where=where, sort=spec, limit=limit)] == want[:limit], (where, spec)
+                with kb.engine.connect() as conn:
+                    walked += qs.walk_ids(conn, where, spec, limit) is not None
+    qs._walk.cache_clear()
+    assert walked > (20 if budget == 1000 else 0)        # the walk answered, not only the fallback
