@@ -9,6 +9,7 @@ A model change without a migration, or a migration without the bump of kb.db.HEA
 """
 from __future__ import annotations
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
@@ -91,3 +92,14 @@ def test_curves_survive_migration_0011_both_ways(kb):
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
     assert _points_equal(kb.run(run_id).metrics, ODD_CURVES)
+
+
+def test_postgres_runfield_key_num_index_carries_the_run_id(engine):
+    """Migration 0012: a test's range names its runs from the index alone (SQLite's index ends
+    with the primary key already)."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("Postgres's INCLUDE; SQLite's secondary index holds the primary key")
+    with engine.connect() as conn:
+        definition = conn.execute(text("SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_runfield_key_num' "
+                                       "AND schemaname = current_schema()")).scalar_one()
+    assert definition.endswith("(key, vtype, num) INCLUDE (run_id)")
