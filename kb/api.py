@@ -24,7 +24,7 @@ from kb.settings import Settings
 from kb.tracking import TrackedRun
 
 log = logging.getLogger(__name__)
-ANALYZE_AFTER = 1000     # runs written in one ingest before Postgres statistics are refreshed
+ANALYZE_AFTER = 1000     # runs written in one ingest before Postgres vacuums and analyzes runfield and run
 
 
 class KnowledgeBase:
@@ -130,11 +130,13 @@ class KnowledgeBase:
                 drop_chunks_beyond(s, uri, n)      # a document that got shorter
         refresh_all(self.engine)       # after the runs' commit; also what a crash left queued
         if self.engine.dialect.name == "postgresql" and report.added + report.updated >= ANALYZE_AFTER:
-            # fresh statistics after a bulk load, in case autovacuum is off or behind
-            with self.engine.connect() as conn:
-                conn.execute(text("ANALYZE runfield"))
-                conn.execute(text("ANALYZE run"))
-                conn.commit()
+            # after a bulk load, in case autovacuum is off or behind: fresh statistics, and the new
+            # pages marked all-visible, without which a query reads the table for every index
+            # entry (the runfield index that carries run_id is then no faster than one that does
+            # not: 71 ms against 18 ms at 100,000 runs). VACUUM runs outside a transaction.
+            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.execute(text("VACUUM (ANALYZE) runfield"))
+                conn.execute(text("VACUUM (ANALYZE) run"))
         if index and (report.added or report.updated):
             self.try_sync_index()
 

@@ -282,3 +282,19 @@ def test_groups_notes_and_a_failing_run_keep_their_order_across_groups(kb, monke
         from kb.models import Note
         assert s.get(Note, "n1").mentions == ["r99"]          # r120 came after the note
         assert s.execute(select(func.count()).select_from(Run)).scalar_one() == len(runs) - 1
+
+
+def test_a_bulk_load_on_postgres_is_vacuumed_and_analyzed(kb, monkeypatch):
+    """Past ANALYZE_AFTER runs, runfield and run are vacuumed (pages marked all-visible, so the
+    (key, vtype, num) index that carries run_id answers alone) and analyzed, outside a transaction."""
+    import kb.api as api
+    from sqlalchemy import text
+    if kb.engine.dialect.name != "postgresql":
+        pytest.skip("Postgres's VACUUM")
+    monkeypatch.setattr(api, "ANALYZE_AFTER", 2)
+    kb.ingest_records([dict(RECORD, id=f"v{i}") for i in range(3)], index=False)
+    with kb.engine.connect() as conn:
+        done = dict(conn.execute(text("SELECT relname, last_vacuum IS NOT NULL AND last_analyze IS NOT NULL "
+                                      "FROM pg_stat_user_tables WHERE schemaname = current_schema() "
+                                      "AND relname IN ('runfield', 'run')")).all())
+    assert done == {"runfield": True, "run": True}
