@@ -145,7 +145,7 @@ class KnowledgeBase:
     def runs(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
              project: str | None = None) -> list[RunPublic]:
         from kb.query import Compare, render
-        from kb.query_sql import choose_driver, top_ids, walk_ids
+        from kb.query_sql import choose_driver, test_sizes, top_ids, walk_ids
 
         if project:       # part of the query, so the plan knows about it
             scope = render(Compare(("project",), "=", project))
@@ -153,10 +153,11 @@ class KnowledgeBase:
         # rows straight off a connection, not ORM objects: the session and identity map cost
         # more than the indexed query itself
         with self.engine.connect() as conn:
-            driver = choose_driver(conn, where)
+            sizes = test_sizes(conn, where)      # counted once, for the driver and the walk
+            driver = choose_driver(conn, where, sizes)
             first = top_ids(where, sort, limit, driver) if sort and limit and limit <= TOP_IDS_MAX else None
             if first is not None:        # the best few found from RunField alone, then read by id
-                ids = walk_ids(conn, where, sort, limit)
+                ids = walk_ids(conn, where, sort, limit, sizes)
                 if ids is None:
                     ids = list(conn.execute(first).scalars())
                 found = {row.id: row for row in conn.execute(_RUNS_BY_ID, {"ids": ids})} if ids else {}

@@ -353,29 +353,31 @@ def apply_query(stmt: Select, where: str | Node | None = None, sort: str | None 
 DRIVER_COUNT_CAP = 256      # index entries counted per test to pick the smallest; past this, all are big
 
 
-def choose_driver(conn, where: str | Node | None) -> int | None:
-    """The joined test with the fewest matching rows (each counted up to DRIVER_COUNT_CAP, one
-    round trip), for `apply_query(..., driver=)`; None when there is nothing to choose or the
-    database plans from its own statistics (Postgres)."""
+def test_sizes(conn, where: str | Node | None) -> tuple[int, ...] | None:
+    """Each joined test's matching rows, counted up to DRIVER_COUNT_CAP in one round trip; None
+    without tests, and on Postgres, which plans from its own statistics (and counted a string
+    test's rows through a bitmap of every match: 20 ms at 100,000 runs)."""
     if where is None or conn.dialect.name != "sqlite":
         return None
-    text = where if isinstance(where, str) else render(where)
-    counts = _counts(text)
-    if counts is None:
+    counts = _sizes(where if isinstance(where, str) else render(where))
+    return tuple(conn.execute(counts).one()) if counts is not None else None
+
+
+def choose_driver(conn, where: str | Node | None, sizes: tuple[int, ...] | None = None) -> int | None:
+    """The joined test with the fewest matching rows (`test_sizes`, counted here unless given),
+    for `apply_query(..., driver=)`; None when there is nothing to choose or the database plans
+    from its own statistics (Postgres)."""
+    sizes = test_sizes(conn, where) if sizes is None else sizes
+    if not sizes or len(sizes) < 2:
         return None
-    sizes = conn.execute(counts).one()
+    text = where if isinstance(where, str) else render(where)
     default = _default_driver(_items(text).tests)
     # the smallest range; a tie (all past the cap) keeps the default's preference for equality
     return min(range(len(sizes)), key=lambda i: (sizes[i], i != default, i))
 
 
-def _counts(where: str) -> Select | None:
-    return _sizes(where) if len(_items(where).tests) >= 2 else None
-
-
 @lru_cache(maxsize=256)
 def _sizes(where: str) -> Select | None:
-    """Each joined test's matching rows, counted up to DRIVER_COUNT_CAP, in one statement."""
     tests = _items(where).tests
     if not tests:
         return None
@@ -387,7 +389,8 @@ def _sizes(where: str) -> Select | None:
 WALK_BUDGET = 500       # sort-key rows a walk reads before it leaves the query to the driven plan
 
 
-def walk_ids(conn, where: str | Node | None, sort: str, limit: int) -> list[str] | None:
+def walk_ids(conn, where: str | Node | None, sort: str, limit: int,
+             sizes: tuple[int, ...] | None = None) -> list[str] | None:
     """The ids of the first `limit` runs in `apply_query`'s order, found by walking the sort key's
     numbers in order through its (key, vtype, num) index and probing each run's tests by primary
     key, at most WALK_BUDGET runs; None when the walk does not apply or did not find `limit`.
@@ -396,15 +399,18 @@ def walk_ids(conn, where: str | Node | None, sort: str, limit: int) -> list[str]
     plan reads every match to sort them, while ~limit / selectivity steps of the walk find the
     first few. The walk is a prefix of the whole order (numbers sort before any other value, ties
     by run id), so what it finds is the answer; the budget bounds what a walk that finds too
-    little costs (matches far down the order) before `top_ids` answers as it always did. On
-    SQLite a test with fewer than DRIVER_COUNT_CAP rows skips the walk (counting is cheap there);
-    Postgres counted a string test's rows through a bitmap of every match (20 ms at 100,000
-    runs), more than a walk that misses (~4 ms), so there it always walks first."""
+    little costs (matches far down the order) before `top_ids` answers as it always did. A test
+    with fewer than DRIVER_COUNT_CAP rows (`sizes`, `test_sizes`: SQLite's, counted here unless
+    given) skips the walk; Postgres has no counts (`test_sizes`) and always walks first: a walk
+    that misses costs ~4 ms there."""
     if where is None:
         return None
     text = where if isinstance(where, str) else render(where)
     walk = _walk(text, sort, limit)
-    if walk is None or (conn.dialect.name == "sqlite" and min(conn.execute(_sizes(text)).one()) < DRIVER_COUNT_CAP):
+    if walk is None:
+        return None
+    sizes = test_sizes(conn, text) if sizes is None else sizes
+    if sizes and min(sizes) < DRIVER_COUNT_CAP:
         return None
     ids = list(conn.execute(walk).scalars())
     return ids if len(ids) == limit else None
