@@ -153,18 +153,23 @@ def _rows_of(kb, run_id):
                      for t in (MetricSeries, RunField)) + (int(s.get(Run, run_id) is not None),)
 
 
-def test_a_failing_run_rolls_back_alone_inside_its_batch(kb, tmp_path, monkeypatch):
-    """Runs share a transaction (a savepoint each): the one whose write fails, after its run row
-    went in, leaves nothing behind, and the runs before and after it in the batch are stored."""
+def fail_curves_of(monkeypatch, run_id: str, error: Exception) -> None:
+    """The write of run_id's curves raises `error` (after its run row went in), in groups or alone."""
     import kb.runs as runs_mod
     real_bulk = runs_mod._bulk
 
-    def failing_bulk(session, model, rows, columns=None):
-        if model is MetricSeries and any(r[0] == "b" for r in rows):
-            raise ValueError("a bad curve")
-        real_bulk(session, model, rows, columns)
+    def failing_bulk(conn, model, rows, columns=None):
+        if model is MetricSeries and any(r[0] == run_id for r in rows):
+            raise error
+        real_bulk(conn, model, rows, columns)
 
     monkeypatch.setattr(runs_mod, "_bulk", failing_bulk)
+
+
+def test_a_failing_run_rolls_back_alone_inside_its_batch(kb, tmp_path, monkeypatch):
+    """Runs share a transaction (a savepoint each): the one whose write fails, after its run row
+    went in, leaves nothing behind, and the runs before and after it in the batch are stored."""
+    fail_curves_of(monkeypatch, "b", ValueError("a bad curve"))
     report = kb.ingest(str(write_jsonl(tmp_path / "abc.jsonl", [dict(RECORD, id=i) for i in "abc"])), index=False)
     assert (report.added, [f["line"] for f in report.failed]) == (2, [2])
     assert _rows_of(kb, "b") == (0, 0, 0)
@@ -173,15 +178,7 @@ def test_a_failing_run_rolls_back_alone_inside_its_batch(kb, tmp_path, monkeypat
 
 
 def test_an_error_that_ends_the_ingest_keeps_the_runs_before_it(kb, tmp_path, monkeypatch):
-    import kb.runs as runs_mod
-    real_bulk = runs_mod._bulk
-
-    def crashing_bulk(session, model, rows, columns=None):
-        if model is MetricSeries and any(r[0] == "c" for r in rows):
-            raise RuntimeError("disk full")
-        real_bulk(session, model, rows, columns)
-
-    monkeypatch.setattr(runs_mod, "_bulk", crashing_bulk)
+    fail_curves_of(monkeypatch, "c", RuntimeError("disk full"))
     with pytest.raises(RuntimeError):
         kb.ingest(str(write_jsonl(tmp_path / "abcd.jsonl", [dict(RECORD, id=i) for i in "abcd"])), index=False)
     assert sorted(r.id for r in kb.runs()) == ["a", "b"]
@@ -254,17 +251,9 @@ def test_groups_notes_and_a_failing_run_keep_their_order_across_groups(kb, monke
     """Runs go in GROUP_RUNS at a time (on Postgres, a group written by a thread while the next
     is prepared): a note after run 100 finds run 99 written already, a run whose write fails in
     the second group fails alone, and the report lists every record in the order given."""
-    import kb.runs as runs_mod
     from kb.record_writer import GROUP_RUNS, IngestReport, RecordWriter
     from kb.records import NoteRecord, Parsed, parse_run
-    real_bulk = runs_mod._bulk
-
-    def failing_bulk(conn, model, rows, columns=None):
-        if model is MetricSeries and any(r[0] == "r70" for r in rows):
-            raise ValueError("a bad curve")
-        real_bulk(conn, model, rows, columns)
-
-    monkeypatch.setattr(runs_mod, "_bulk", failing_bulk)
+    fail_curves_of(monkeypatch, "r70", ValueError("a bad curve"))
     runs = [Parsed(parse_run({"id": f"r{i}", "project": "p", "config": {"lr": i * 1e-4, "seed": 0},
                               "metrics": {"loss": [[0, 5.0], [10, 4.0 - i / 1000]]}}), "native", "runs.jsonl", i + 1)
             for i in range(2 * GROUP_RUNS + 22)]
