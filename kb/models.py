@@ -54,7 +54,7 @@ class RunBase(SQLModel):
     """A run as callers see it: the record's fields plus the promoted filter columns."""
     id: str = Field(primary_key=True)
     project: str = Field(default="default", index=True)
-    name: str = ""
+    name: str = Field(default="", index=True)       # questions, notes and `kb show` name runs
     status: str = Field(default="completed", index=True)
     config: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
     scale: dict = Field(default_factory=dict, sa_column=json_col(nullable=False))
