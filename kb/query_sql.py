@@ -431,10 +431,16 @@ def _walk(where: str, sort: str, limit: int) -> Select | None:
               .order_by(*order).limit(WALK_BUDGET).subquery("walked"))
     # each test a probe of the walked run's row by primary key: as a join, or an EXISTS Postgres
     # may turn into a hashed subplan, it would read every match first, the cost the walk avoids
-    # (Postgres neither pulls up nor hashes an EXISTS with an OFFSET)
-    probes = [standalone(select(literal(1)).where(_balanced(and_, [
-        f.run_id == walked.c.run_id, f.key == k, *(_field_cond(n, f) for n in nodes)])).offset(0).exists())
-        for i, (k, nodes) in enumerate(items.tests) for f in [_alias(i)]]
+    # (Postgres neither pulls up nor hashes an EXISTS with an OFFSET). The row is fetched by
+    # (key, run_id) alone behind a second OFFSET and tested outside it: with the value test
+    # beside it, Postgres probed through the (key, vtype, num) index instead, reading every run
+    # with that value per walked run (at 10,000 runs, 923 index entries x 500 steps: 35 ms)
+    probes = [standalone(select(literal(1)).select_from(row).where(
+        _balanced(and_, [_field_cond(n, row.c) for n in nodes])).offset(0).exists())
+        for i, (k, nodes) in enumerate(items.tests)
+        for f in [_alias(i)]
+        for row in [select(f.vtype, f.num, f.text).where(f.run_id == walked.c.run_id, f.key == k)
+                    .correlate(walked).offset(0).subquery(f"probe{i + 1}")]]
     return (select(walked.c.run_id).where(_balanced(and_, probes))
             .order_by(_direct(walked.c.num, desc), codepoint(walked.c.run_id).asc()).limit(limit))
 
