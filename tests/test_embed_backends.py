@@ -1,5 +1,5 @@
 """The ONNX embedding backends against the torch one: the real MiniLM from the wheel, real exports
-(into a temporary cache), real onnxruntime. Only a missing onnxruntime is simulated."""
+(into a temporary cache), real onnxruntime and OpenVINO. Only a missing runtime is simulated."""
 from __future__ import annotations
 
 import logging
@@ -96,6 +96,42 @@ def test_int8_stays_close_to_torch_and_finds_the_same_cards(cache, torch_vectors
 
 
 @pytest.mark.slow
+def test_openvino_gives_the_torch_vectors_from_the_same_export(cache, torch_vectors):
+    cards, queries = torch_vectors
+    e = load_embedder(MODEL, threads=1, backend="openvino", cache_dir=str(cache[0]))
+    assert e.backend == "openvino" and e.dim == 384
+    got = e.encode(real_cards(), batch_size=16)
+    assert got.dtype == np.float32 and np.allclose(np.linalg.norm(got, axis=1), 1, atol=1e-5)
+    assert np.min(np.sum(got * cards, axis=1)) >= 0.999
+    alone = np.stack([e.encode([t], batch_size=1)[0] for t in real_cards()[-3:]])
+    assert np.min(np.sum(alone * cards[-3:], axis=1)) >= 0.999
+    assert overlap_at(5, got, e.encode(QUERIES), cards, queries) == 1.0
+    assert e.encode([]).shape == (0, 384)
+    assert cache[1] == [1]                        # compiled from the module's export, not a new one
+
+
+@pytest.mark.slow
+def test_openvino_bf16_stays_within_rounding_of_torch(cache, torch_vectors):
+    cards, queries = torch_vectors
+    e = load_embedder(MODEL, threads=1, backend="openvino-bf16", cache_dir=str(cache[0]))
+    assert e.backend == "openvino-bf16"
+    got, got_q = e.encode(real_cards()), e.encode(QUERIES)
+    # bfloat16 keeps 8 bits of mantissa; the sums stay in f32 (a CPU without bf16 computes in f32)
+    assert np.min(np.sum(got * cards, axis=1)) >= 0.999
+    assert overlap_at(5, got, got_q, cards, queries) >= 0.9
+
+
+def test_missing_openvino_falls_back_to_torch_with_a_warning(monkeypatch, caplog, tmp_path):
+    # simulated: openvino is installed here; None in sys.modules makes its import fail
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    with caplog.at_level(logging.WARNING, logger="kb.embed"):
+        e = load_embedder(MODEL, threads=1, backend="openvino", cache_dir=str(tmp_path))
+    assert e.backend == "torch"
+    assert any("openvino" in r.getMessage() and "torch" in r.getMessage() for r in caplog.records)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
 def test_the_export_is_made_once_and_reused(cache):
     root, exports = cache
     assert exports == [1]
@@ -126,6 +162,8 @@ def test_missing_onnxruntime_falls_back_to_torch_with_a_warning(monkeypatch, cap
 def test_the_backend_is_a_setting(monkeypatch):
     monkeypatch.setenv("KB_EMBEDDING_BACKEND", "onnx-int8")
     assert Settings().embedding_backend == "onnx-int8"
+    monkeypatch.setenv("KB_EMBEDDING_BACKEND", "openvino")
+    assert Settings().embedding_backend == "openvino"
     monkeypatch.setenv("KB_EMBEDDING_BACKEND", "tensorrt")
     with pytest.raises(ValueError):
         Settings()
