@@ -4,6 +4,7 @@ MLflow beside it while it stays under a time cap (issue 12).
     python benchmarks/scale.py --quick --json                 # 500 and 2,000 runs: a smoke run of minutes
     python benchmarks/scale.py --postgres postgresql://postgres@127.0.0.1/test --plot scale.png --json
     python benchmarks/scale.py --sizes 1000,10000 --points-per-run 200 --no-sqlite --postgres URL
+    python benchmarks/scale.py --combine sqlite.json postgres.json --plot scale.png   # earlier runs' --json, one table
 
 Each size adds runs to the same store (benchmarks/scale_runs.py: sweeps over 6 model sizes, lr,
 batch, warmup, norm and seeds, ~5% diverged, curves of --points-per-run points), then measures:
@@ -472,6 +473,29 @@ def run_benchmark(args, tmp: Path) -> dict:
     return result
 
 
+def combine(paths: list[Path]) -> dict:
+    """Earlier runs' --json output (the last line of each file) as one result: their stores side
+    by side, a store two files hold taken from the later, the targets checked again. Measures
+    nothing: a store re-measured after a change replaces its old figures beside the other's."""
+    result: dict = {"setup": {"combined": []}, "stores": {}}
+    for path in paths:
+        lines = path.read_text().strip().splitlines()
+        if not lines:
+            raise SystemExit(f"{path}: empty, not the output of scale.py --json")
+        try:
+            run = json.loads(lines[-1])
+            stores, setup, measured = run["stores"], run["setup"], run["measured"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"{path}: last line is not the JSON of scale.py --json ({e})")
+        result["setup"]["combined"].append({"file": str(path), "stores": list(stores), "setup": setup})
+        result["stores"].update(stores)
+        result["measured"] = measured
+        if run.get("mlflow"):
+            result["mlflow"] = run["mlflow"]
+    result["targets"] = check_targets(result)
+    return result
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
@@ -490,6 +514,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print the figures as JSON, the last line of stdout")
     ap.add_argument("--plot", type=Path, metavar="FILE.png")
     ap.add_argument("--quick", action="store_true", help="sizes 500,2000: a smoke run")
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="RUN.json",
+                    help="measure nothing: print (and --plot) the stores of earlier runs' --json output, "
+                         "a store named twice taken from the later file")
     args = ap.parse_args(argv)
     if args.sizes is None:
         args.sizes = [500, 2000] if args.quick else [1000, 10000, 100000]
@@ -497,19 +524,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.mlflow_cap_s = 120.0 if args.quick else 600.0
     if args.real_cards is None:
         args.real_cards = 200 if args.quick else 1000
-    if not args.sqlite and not args.postgres:
+    if not args.sqlite and not args.postgres and not args.combine:
         ap.error("nothing to measure: --no-sqlite and no --postgres")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    import torch
-    torch.set_num_threads(1)
-    t = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kb-scale-") as d:
-        result = run_benchmark(args, Path(d))
-    result["setup"]["wall_s"] = round(time.perf_counter() - t, 1)
+    if args.combine:
+        result = combine(args.combine)
+    else:
+        import torch
+        torch.set_num_threads(1)
+        t = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="kb-scale-") as d:
+            result = run_benchmark(args, Path(d))
+        result["setup"]["wall_s"] = round(time.perf_counter() - t, 1)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

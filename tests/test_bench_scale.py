@@ -55,6 +55,23 @@ def test_scale_benchmark_prints_its_figures_as_json(tmp_path, capsys, monkeypatc
     assert any(name.startswith("sqlite: kb runs --where") for name in out["targets"])
     assert png.stat().st_size > 10_000
 
+    # a store measured again in a later run replaces its figures; the table and targets follow
+    first, later = tmp_path / "first.json", tmp_path / "later.json"
+    first.write_text("table\n" + json.dumps(out))
+    again = json.loads(json.dumps(out))
+    again["stores"]["sqlite"]["steps"][-1]["query"]["1%"]["p50_ms"] = 99.0
+    again["stores"]["postgres"] = again["stores"]["sqlite"]
+    later.write_text(json.dumps(again) + "\n")
+    scale.main(["--combine", str(first), str(later), "--plot", str(tmp_path / "both.png"), "--json"])
+    both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(both["stores"]) == ["sqlite", "postgres"]
+    assert both["stores"]["sqlite"]["steps"][-1]["query"]["1%"]["p50_ms"] == 99.0
+    assert [c["file"] for c in both["setup"]["combined"]] == [str(first), str(later)]
+    assert any(name.startswith("postgres: kb runs --where") for name in both["targets"])
+    (tmp_path / "torn.json").write_text("not json\n")
+    with pytest.raises(SystemExit, match="torn.json: last line is not the JSON"):
+        scale.main(["--combine", str(tmp_path / "torn.json")])
+
 
 def test_growth_fits_log_linear_and_flags_faster_than_log_n():
     def steps(ys):
