@@ -239,7 +239,7 @@ def print_report(agent: dict, base: dict | None, extra: dict) -> None:
         print(f"{label:42s} {fmt(a):>10s} {fmt(b):>10s}   {target}")
     for k, v in extra.items():
         print(f"{k:42s} {v}")
-    print(f"\nper shape (agent | baseline): n, recall@5, exact, faithful, abstained")
+    print("\nper shape (agent | baseline): n, recall@5, exact, faithful, abstained")
     for shape, a in agent["shapes"].items():
         b = (base or {}).get("shapes", {}).get(shape, {})
         print(f"  {shape:14s} {a['n']:3d}   {_f(a['recall5'])} {_f(a['exact'])} {_f(a['faithful'])} "

@@ -18,7 +18,7 @@ scaling AdamW needs when nothing else, such as muP, absorbs it).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kb.errors import InvalidRecord
