@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -191,10 +192,14 @@ class OpenVinoEmbedder(OnnxEmbedder):
             "PERFORMANCE_HINT": "LATENCY"})
         self._request = compiled.create_infer_request()
         self._output = compiled.output(0)
+        # one request, and kb serve embeds questions from several threads: a request is not
+        # safe to run twice at once (onnxruntime's session.run is)
+        self._lock = threading.Lock()
 
     def _run(self, feed: dict[str, np.ndarray]) -> np.ndarray:
-        # copied out: the request reuses its output buffer on the next call
-        return np.array(self._request.infer(feed)[self._output], dtype=np.float32)
+        with self._lock:
+            # copied out: the request reuses its output buffer on the next call
+            return np.array(self._request.infer(feed)[self._output], dtype=np.float32)
 
 
 def load_onnx_embedder(model: str, location: str, quantized: bool, threads: int = 1,

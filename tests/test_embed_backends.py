@@ -182,3 +182,14 @@ def test_the_knowledge_base_embeds_with_the_configured_backend(cache, tmp_path, 
     finally:
         k.close()
     assert cache[1] == [1]
+
+
+@pytest.mark.slow
+def test_openvino_answers_threads_at_once_as_one_at_a_time(cache):
+    from concurrent.futures import ThreadPoolExecutor
+    e = load_embedder(MODEL, threads=1, backend="openvino", cache_dir=str(cache[0]))
+    texts = real_cards()[:24]
+    alone = [e.encode([t])[0] for t in texts]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda t: e.encode([t])[0], texts))
+    assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(alone, together))
