@@ -259,10 +259,16 @@ class _Refresh:
             self.sigs[b % (1 << 64)] = []
         # plain driver statements: a 20,000-key run looks up 20,001 buckets, and SQLAlchemy's
         # statement and row handling cost more than the index lookups
-        mark = "?" if self.conn.dialect.paramstyle == "qmark" else "%s"
         for chunk in chunked(wanted):
-            sql = f'SELECT bucket, run_id, "key" FROM ablationsig WHERE bucket IN ({", ".join([mark] * len(chunk))})'
-            for b, rid, key in self.conn.exec_driver_sql(sql, tuple(chunk)).fetchall():
+            if self.conn.dialect.name == "postgresql":
+                # one array parameter: with 500 in an IN list and the table not analyzed yet (a
+                # bulk load, autovacuum off or behind) Postgres scanned the whole table per list,
+                # 33 ms at 31,000 runs and growing with them; = ANY keeps to the index (3 ms)
+                sql, params = 'SELECT bucket, run_id, "key" FROM ablationsig WHERE bucket = ANY(%s)', (chunk,)
+            else:
+                sql, params = (f'SELECT bucket, run_id, "key" FROM ablationsig WHERE bucket IN '
+                               f'({", ".join(["?"] * len(chunk))})', tuple(chunk))
+            for b, rid, key in self.conn.exec_driver_sql(sql, params).fetchall():
                 self.sigs[b % (1 << 64)].append((rid, key))
 
     def _ablations_holding(self, runs: Iterable[str]) -> list:

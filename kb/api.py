@@ -10,10 +10,10 @@ import logging
 from functools import lru_cache
 from typing import Callable, Iterable
 
-from sqlalchemy import bindparam, func, select, text
+from sqlalchemy import bindparam, func, select
 from sqlmodel import Session
 
-from kb.db import is_read_only, make_engine, migrate
+from kb.db import is_read_only, maintain_after_bulk_load, make_engine, migrate
 from kb.errors import IndexBusy, IndexDamaged, InvalidRecord, NotFound, ReadOnlyStore
 from kb.models import IndexPending, Note, Run
 from kb.models import RunPublic
@@ -24,7 +24,7 @@ from kb.settings import Settings
 from kb.tracking import TrackedRun
 
 log = logging.getLogger(__name__)
-ANALYZE_AFTER = 1000     # runs written in one ingest before Postgres vacuums and analyzes runfield and run
+ANALYZE_AFTER = 1000     # runs written in one ingest before Postgres's tables are looked after (kb.db)
 
 
 class KnowledgeBase:
@@ -129,14 +129,8 @@ class KnowledgeBase:
             with Session(self.engine) as s, s.begin():
                 drop_chunks_beyond(s, uri, n)      # a document that got shorter
         refresh_all(self.engine)       # after the runs' commit; also what a crash left queued
-        if self.engine.dialect.name == "postgresql" and report.added + report.updated >= ANALYZE_AFTER:
-            # after a bulk load, in case autovacuum is off or behind: fresh statistics, and the new
-            # pages marked all-visible, without which a query reads the table for every index
-            # entry (the runfield index that carries run_id is then no faster than one that does
-            # not: 71 ms against 18 ms at 100,000 runs). VACUUM runs outside a transaction.
-            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                conn.execute(text("VACUUM (ANALYZE) runfield"))
-                conn.execute(text("VACUUM (ANALYZE) run"))
+        if report.added + report.updated >= ANALYZE_AFTER:
+            maintain_after_bulk_load(self.engine, report.added + report.updated)
         if index and (report.added or report.updated):
             self.try_sync_index()
 

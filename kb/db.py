@@ -194,6 +194,35 @@ def bulk_insert(conn, table: str, columns: tuple[str, ...], rows: list[tuple]) -
     conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) VALUES ({', '.join(['?'] * len(columns))})", rows)
 
 
+# tables whose index-only scans `kb runs` reads: vacuumed after every bulk load, so their new
+# pages are all-visible (else each index entry reads the table: 71 ms against 18 ms at 100,000 runs)
+VACUUMED = ("runfield", "run")
+# tables analyzed after a bulk load that grew the store by ANALYZE_GROWTH or more (autovacuum's
+# default scale factor): the ablation refresh's lookups need their statistics as much as queries
+ANALYZED = ("runfield", "run", "ablationsig", "ablationrun", "ablation", "metricseries")
+ANALYZE_GROWTH = 0.1
+
+
+def maintain_after_bulk_load(engine: Engine, runs_written: int) -> list[str]:
+    """Postgres, after an ingest of many runs, in case autovacuum is off or behind: VACUUM the
+    VACUUMED tables (cheap: only the new pages are visited) and ANALYZE every ANALYZED table once
+    the load is a tenth of the store. Analyzing after every batch cost more than the vacuum (a
+    random sample of each table: 0.4 s a batch at 40,000 runs). Returns the statements run."""
+    if engine.dialect.name != "postgresql":
+        return []
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:    # VACUUM: no transaction
+        known = conn.execute(text("SELECT reltuples FROM pg_class WHERE oid = to_regclass('run')")).scalar()
+        # reltuples is -1 before the first ANALYZE; it counts the store as of the last one
+        analyze = known is None or known < 0 or runs_written >= ANALYZE_GROWTH * max(known, 1)
+        done = []
+        for table in dict.fromkeys(VACUUMED + (ANALYZED if analyze else ())):
+            options = [o for o, on in (("VACUUM", table in VACUUMED), ("ANALYZE", analyze and table in ANALYZED)) if on]
+            sql = (f"VACUUM (ANALYZE) {table}" if len(options) == 2 else f"{options[0]} {table}")
+            conn.execute(text(sql))
+            done.append(sql)
+        return done
+
+
 def session(engine: Engine) -> Session:
     return Session(engine, expire_on_commit=False)
 

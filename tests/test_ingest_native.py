@@ -287,3 +287,17 @@ def test_a_bulk_load_on_postgres_is_vacuumed_and_analyzed(kb, monkeypatch):
                                       "FROM pg_stat_user_tables WHERE schemaname = current_schema() "
                                       "AND relname IN ('runfield', 'run')")).all())
     assert done == {"runfield": True, "run": True}
+
+
+def test_later_bulk_loads_vacuum_but_analyze_only_once_the_store_grew_a_tenth(kb):
+    """Analyzing after every batch cost more than the vacuum; the ablation tables are analyzed too
+    (the refresh's lookups planned a scan of the whole table per lookup without statistics)."""
+    from kb.db import maintain_after_bulk_load
+    if kb.engine.dialect.name != "postgresql":
+        assert maintain_after_bulk_load(kb.engine, 5000) == []      # SQLite: nothing to look after
+        return
+    kb.ingest_records([dict(RECORD, id=f"g{i}") for i in range(40)], index=False)
+    first = maintain_after_bulk_load(kb.engine, 40)           # the store's first statistics
+    assert "VACUUM (ANALYZE) runfield" in first and "ANALYZE ablationsig" in first
+    assert maintain_after_bulk_load(kb.engine, 3) == ["VACUUM runfield", "VACUUM run"]     # 3 of 40
+    assert "ANALYZE ablation" in maintain_after_bulk_load(kb.engine, 4)                     # a tenth
