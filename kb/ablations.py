@@ -154,9 +154,14 @@ def _pooled_sigma(groups: list[Config], metric: str) -> float | None:
     return pooled_sd(groups, metric)[0]
 
 
-def _build(project: str, factor: str, groups: list[Config], key: str | None) -> dict:
+def _build(project: str, factor: str, groups: list[Config], key: str | None, twin: bool = False) -> dict:
     """One Ablation row as a dict of its columns (constructing the ORM object cost more than
-    finding the ablation). `key` is the config key that varies; None for a tag ablation."""
+    finding the ablation). `key` is the config key that varies; None for a tag ablation.
+
+    Its id names what it is, not whom it holds: the project, factor and bucket (the configs it
+    compares, all but `key`), so a hypothesis, report or answer that cites it still finds it when
+    one more seed or variant lands (an id of the members changed with every run that joined).
+    `twin`: another ablation shares the bucket (two sums of key hashes met), told apart by members."""
     # one order, whatever order the groups were found in: sigma's float sum comes out the same
     groups = sorted(groups, key=lambda g: g.runs[0].id)
     runs = [r for g in groups for r in g.runs]
@@ -177,14 +182,17 @@ def _build(project: str, factor: str, groups: list[Config], key: str | None) -> 
                          "baseline": g is base})
     variants.sort(key=lambda v: (not v["baseline"], json.dumps(v["value"], sort_keys=True, default=str)))
     members = sorted(r.id for r in runs)
+    bucket = signed(groups[0].bucket(key)) if key is not None else None
+    identity = [project, factor, bucket] + ([members] if twin else [])
+    name = hashlib.sha1(json.dumps(identity).encode()).hexdigest()[:10]
     digest = hashlib.sha1(json.dumps([factor, members]).encode()).hexdigest()[:10]
-    return dict(id=f"abl-{factor}-{digest}", project=project, factor=factor, metric=metric or "",
+    return dict(id=f"abl-{factor}-{name}", project=project, factor=factor, metric=metric or "",
                 baseline_run=base.runs[0].id, variants=variants,
                 effect={"seed_sigma": sigma, "baseline_metric": base_mean,
                         "best": min((v for v in variants if v["metric"] is not None),
                                     key=lambda v: v["metric"], default={}).get("run")},
                 source_kind="derived", source_uri=f"project:{project}", content_hash=digest,
-                ingested_at=utcnow(), bucket=signed(groups[0].bucket(key)) if key is not None else None)
+                ingested_at=utcnow(), bucket=bucket)
 
 
 def _same_but(a: Config, b: Config, key: str) -> bool:
@@ -207,8 +215,8 @@ def bucket_ablations(project: str, key: str, bucket: int, configs: list[Config])
             classes.append([c])
         else:
             home.append(c)
-    return [_build(project, f"config.{key}", cl, key) for cl in classes
-            if len(cl) >= 2 and any(key in c.sig for c in cl)]
+    found = [cl for cl in classes if len(cl) >= 2 and any(key in c.sig for c in cl)]
+    return [_build(project, f"config.{key}", cl, key, twin=len(found) > 1) for cl in found]
 
 
 def tagged_factors(tags: list) -> list[str]:

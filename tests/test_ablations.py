@@ -67,6 +67,36 @@ def test_ablations_follow_updates_and_stay_per_project(kb, tmp_path):
     assert kb.run("x1").ablations == []
 
 
+
+def test_an_ablation_keeps_its_id_as_runs_join_it_so_citations_of_it_hold(kb, tmp_path):
+    ingest(kb, tmp_path, [run("b0", 3.0), run("v0", 2.9, lr=1e-3)])
+    [first] = kb.run("v0").ablations
+    ingest(kb, tmp_path, [run("b1", 3.02, seed=1), run("w0", 2.95, lr=2e-3)])       # a seed, a variant
+    [now] = kb.run("v0").ablations
+    assert now["id"] == first["id"] and {v["value"] for v in now["variants"]} == {6e-4, 1e-3, 2e-3}
+    assert kb.report(first["id"], out=tmp_path / "r").markdown.exists()       # what cited it finds it
+    assert {r.id for r in kb.runs(where=f"ablations.lr.id = '{first['id']}'")} == {"b0", "b1", "v0", "w0"}
+    # the same configs in another project are another ablation
+    ingest(kb, tmp_path, [run("o0", 3.0, project="other"), run("o1", 2.9, lr=1e-3, project="other")])
+    assert kb.run("o1").ablations[0]["id"] != first["id"]
+
+
+def test_ablations_recorded_before_0014_are_renamed_by_the_next_refresh(kb, tmp_path):
+    ingest(kb, tmp_path, [run("b0", 3.0), run("v0", 2.9, lr=1e-3)])
+    [abl] = kb.run("v0").ablations
+    with kb.engine.begin() as conn:         # as an older version left it: an id of its members
+        links = conn.execute(text("SELECT run_id FROM ablationrun")).scalars().all()
+        conn.execute(text("DELETE FROM ablationrun"))
+        conn.execute(text("UPDATE ablation SET id = 'abl-config.optim.lr-0123456789'"))
+        for rid in links:
+            conn.execute(text("INSERT INTO ablationrun (run_id, ablation_id) VALUES (:r, 'abl-config.optim.lr-0123456789')"),
+                         {"r": rid})
+        conn.execute(text("INSERT INTO ablationpending (project) SELECT DISTINCT project FROM run"))    # 0014
+    from kb.ablation_store import refresh_all
+    refresh_all(kb.engine)
+    assert [a["id"] for a in kb.run("v0").ablations] == [abl["id"]]
+    assert {r.id for r in kb.runs(where=f"ablations.lr.id = '{abl['id']}'")} == {"b0", "v0"}
+
 # ---- incremental refresh: the same ablations as a recomputation from scratch ---------------------
 
 KEYS = {"a": {"x": (1, 2)}, "b": {"x": ("u", "v")}, "y": (0.1, 0.2, 0.3), "z": (True, None)}

@@ -177,7 +177,7 @@ def test_damaged_index_fails_cleanly_ingest_still_commits_and_reindex_rebuilds(s
             k.search("exploded to NaN")
         report = k.ingest(write(tmp_path, late))
         assert report.added == 1 and k.run("late").id == "late"
-        assert k.pending_index() == 3     # stale: the run and the ablation it joined (old id out, new in) wait
+        assert k.pending_index() == 2     # stale: the run and the ablation it joined (its id kept) wait
         from kb.indexer import expected_fingerprints
         assert k.reindex().indexed == len(expected_fingerprints(k.engine)) == POINTS + 1
         assert_index_equals_sql(k)
@@ -239,8 +239,8 @@ def test_search_works_while_another_process_holds_the_index(settings, tmp_path, 
             with pytest.raises(IndexBusy):
                 k.index                                     # the folder itself stays the holder's
             report = k.ingest(write(tmp_path, [dict(RUNS[0], id="new-run", notes="a brand new run")]))
-            # queued for the holder: the run, and the ablation it joined (old id out, new in)
-            assert report.added == 1 and report.pending_index == 3
+            # queued for the holder: the run, and the ablation it joined (its id kept)
+            assert report.added == 1 and report.pending_index == 2
             assert top(k, "data mixture with more code", project="q") == ["data-mix"]
     finally:
         holder.communicate("\n", timeout=120)
