@@ -67,7 +67,6 @@ def test_ablations_follow_updates_and_stay_per_project(kb, tmp_path):
     assert kb.run("x1").ablations == []
 
 
-
 def test_an_ablation_keeps_its_id_as_runs_join_it_so_citations_of_it_hold(kb, tmp_path):
     ingest(kb, tmp_path, [run("b0", 3.0), run("v0", 2.9, lr=1e-3)])
     [first] = kb.run("v0").ablations
@@ -96,6 +95,7 @@ def test_ablations_recorded_before_0014_are_renamed_by_the_next_refresh(kb, tmp_
     refresh_all(kb.engine)
     assert [a["id"] for a in kb.run("v0").ablations] == [abl["id"]]
     assert {r.id for r in kb.runs(where=f"ablations.lr.id = '{abl['id']}'")} == {"b0", "v0"}
+
 
 # ---- incremental refresh: the same ablations as a recomputation from scratch ---------------------
 
