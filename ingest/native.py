@@ -28,11 +28,7 @@ class NativeIngester:
         if path.suffix == ".json":
             yield from self._read_json(path)
             return
-        raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)      # an editor's byte-order mark is no record
-        for lineno, line in enumerate(raw.split(b"\n"), start=1):
-            if not line.strip():
-                continue
-            yield _parse(path, lineno, line)
+        yield from read_lines(path)
 
     def _read_json(self, path: Path) -> Iterator[Item]:
         data, error = read_json_file(path)
@@ -45,6 +41,20 @@ class NativeIngester:
                 yield _validated(path, None, item, prefix=f"[{i}]")
         else:
             yield _validated(path, 1, data)
+
+
+def read_lines(path: Path, start: int = 0, end: int | None = None, first_line: int = 1) -> Iterator[Item]:
+    """The records of a JSONL file's lines, or of the bytes [start, end) of it, which begin at
+    line `first_line` (ingest.pipeline reads a big file in such slices)."""
+    with path.open("rb") as fh:
+        fh.seek(start)
+        raw = fh.read() if end is None else fh.read(end - start)
+    if start == 0:
+        raw = raw.removeprefix(codecs.BOM_UTF8)      # an editor's byte-order mark is no record
+    for lineno, line in enumerate(raw.split(b"\n"), start=first_line):
+        if not line.strip():
+            continue
+        yield _parse(path, lineno, line)
 
 
 def _parse(path: Path, lineno: int, line: bytes) -> Item:

@@ -160,6 +160,9 @@ class _Refresh:
         conn = self.conn
         self._load(queued)
         live = [self.rows[r] for r in sorted(queued) if r in self.rows and self.rows[r].project not in self.skip]
+        old = {a.id: a for a in self._ablations_holding(queued) if a.project not in self.skip}
+        if not old and len(live) == 0 and all(r in self.rows for r in queued):
+            return      # every queued run is in a project rebuilt just now, and held nothing elsewhere
         # 1. the queued runs' buckets, rewritten (a rebuilt project's are written already)
         for chunk in chunked(sorted(r for r in queued if r not in self.rows or self.rows[r].project not in self.skip)):
             conn.execute(delete(_SIG).where(_SIG.c.run_id.in_(chunk)))
@@ -169,7 +172,6 @@ class _Refresh:
         mine = [(p, c) for p, rs in by_project.items() for c in group_runs(p, rs, self.known)]
         _write_sigs(conn, [c for _, c in mine])
         # 2. what to redo
-        old = {a.id: a for a in self._ablations_holding(queued) if a.project not in self.skip}
         self._look_up({c.total for _, c in mine} | {c.bucket(k) for _, c in mine for k in c.sig})
         todo: set[tuple[str, str, int]] = set()          # (project, key, bucket)
         for p, c in mine:

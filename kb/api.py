@@ -7,6 +7,7 @@ pays for them.
 from __future__ import annotations
 
 import logging
+from contextlib import closing
 from functools import lru_cache
 from typing import Callable, Iterable
 
@@ -68,7 +69,8 @@ class KnowledgeBase:
         vectors are brought up to date afterwards unless another process holds the index.
         `mapping` ({column: key}) places a table's columns (see ingest.table).
         """
-        from ingest.base import check_options, options_for
+        from ingest import pipeline
+        from ingest.base import check_options
         from ingest.detect import Plan, resolve
 
         report = IngestReport()
@@ -80,17 +82,16 @@ class KnowledgeBase:
         report.skipped += plan.skipped
         options = {"mapping": mapping} if mapping else {}
         check_options([r.ingester for r in plan.reads], options)
+        workers = pipeline.worth_it(plan.reads, self.settings.ingest_workers)
+
+        def tick(source: str) -> None:
+            if progress:
+                progress(source, report.added + report.updated + report.unchanged + len(report.failed))
         with RecordWriter(self.engine, report, project) as writer:
-            for read in plan.reads:
-                for item in read.ingester.read(read.source, **options_for(read.ingester, options)):
-                    if isinstance(item, Parsed):
-                        if read.project and not project and "project" not in item.record.model_fields_set:
-                            item.record = item.record.model_copy(update={"project": read.project})
-                        writer.add(item)
-                    else:
-                        report.failed.append(item.error.as_dict())
-                    if progress:
-                        progress(read.source, report.added + report.updated + report.unchanged + len(report.failed))
+            if workers:     # a big input: read and prepared in worker processes while this one writes
+                _write_outcomes(writer, pipeline.run(plan.reads, workers, options, project), tick)
+            else:
+                _write_reads(writer, plan.reads, options, project, tick)
         self._after_writes(report, index)
         report.pending_index = self.pending_index()
         return report
@@ -494,3 +495,33 @@ class _LazyEmbedder:
 
     def encode(self, texts: list[str]):
         return self.kb.embedder.encode(texts)
+
+
+def _write_reads(writer: RecordWriter, reads: list, options: dict, project: str | None,
+                 tick: Callable[[str], None]) -> None:
+    """Every item of the reads, read here, into the writer."""
+    from ingest.base import options_for
+    for read in reads:
+        for item in read.ingester.read(read.source, **options_for(read.ingester, options)):
+            if isinstance(item, Parsed):
+                if read.project and not project and "project" not in item.record.model_fields_set:
+                    item.record = item.record.model_copy(update={"project": read.project})
+                writer.add(item)
+            else:
+                writer.report.failed.append(item.error.as_dict())
+            tick(read.source)
+
+
+def _write_outcomes(writer: RecordWriter, outcomes, tick: Callable[[str], None]) -> None:
+    """What ingest.pipeline's workers read and prepared, into the writer (workers stopped at the end)."""
+    with closing(outcomes):
+        for out in outcomes:
+            if out.rejected:
+                writer.report.failed.append(out.rejected)
+            elif out.error is not None:
+                writer.reject(out.item, out.error)
+            elif out.prepared is None:
+                writer.add(out.item)        # a note: written here, whole
+            else:
+                writer.add_prepared(out.item, out.prepared)
+            tick(out.source)

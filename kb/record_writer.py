@@ -82,8 +82,13 @@ class RecordWriter:
         try:
             prepared = prepare_run(item.record, item.source_kind, item.source_uri)
         except (InvalidRecord, ValueError) as exc:
-            self._failed(item, str(exc))
+            self.reject(item, str(exc))
             return
+        self.add_prepared(item, prepared)
+
+    def add_prepared(self, item: Parsed, prepared: PreparedRun) -> None:
+        """A run prepared elsewhere (ingest.pipeline), its project settled; the report reads only
+        the project of `item.record`."""
         if prepared.id in self.ids:
             self.flush()            # the same run twice: the second write must see the first
         self.group.append((item, prepared))
@@ -136,11 +141,12 @@ class RecordWriter:
     def _report(self, results: list[tuple]) -> None:
         for item, outcome, ref in results:
             if outcome is None:
-                self._failed(item, ref)
+                self.reject(item, ref)
             else:
                 self._done(item, outcome, ref)
 
-    def _failed(self, item: Parsed, message: str) -> None:
+    def reject(self, item: Parsed, message: str) -> None:
+        """A record that cannot go in, reported as failed."""
         self.report.failed.append(InvalidRecord(message, source=item.source_uri, line=item.line).as_dict())
 
     def _done(self, item: Parsed, outcome: str, ref: str) -> None:

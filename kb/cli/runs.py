@@ -32,10 +32,12 @@ def ingest(obj, paths, fmt, project, maps, no_index, show_skipped, as_json):
     from ingest.table import parse_mapping
     mapping = parse_mapping(maps)          # a malformed --map fails before anything is opened
     k = obj.kb()
-    with _progress() as bar:
+    # redrawn by the callback, not by rich's refresh thread: with a thread running, a big ingest
+    # is not read by forked workers (ingest.pipeline)
+    with _progress(auto_refresh=False) as bar:
         task = bar.add_task("ingesting", total=None)
         report = k.ingest(*paths, format=fmt, project=project, mapping=mapping or None, index=False,
-                          progress=lambda src, n: bar.update(task, completed=n, description=_short(src)))
+                          progress=_redrawing(bar, task))
     if not no_index:       # also reconciles: a lost or stale index is rebuilt from SQL here
         from kb.errors import IndexUnavailable, ReadOnlyStore
         with _progress() as bar:
@@ -166,8 +168,23 @@ def _short(src: str) -> str:
     return src if len(src) < 40 else "..." + src[-37:]
 
 
-def _progress():
+def _progress(auto_refresh: bool = True):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty())
+                    console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty(),
+                    auto_refresh=auto_refresh)
+
+
+def _redrawing(bar, task, every_s: float = 0.1):
+    """A progress callback that updates the bar and redraws it at most every `every_s`."""
+    import time
+    last = 0.0
+
+    def update(source: str, done: int) -> None:
+        nonlocal last
+        bar.update(task, completed=done, description=_short(source))
+        if time.monotonic() - last >= every_s:
+            last = time.monotonic()
+            bar.refresh()
+    return update
