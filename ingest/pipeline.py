@@ -37,6 +37,9 @@ SLICE_BYTES = 2**20     # a big JSONL file's lines go out in slices of about thi
 CHUNK_RUNS = 32             # runs per message
 QUEUE_CHUNKS = 8            # messages waiting per worker: memory stays bounded when the writer lags
 POLL_S = 1.0                # how often a waiting writer checks that its worker is still alive
+# a run's reading and preparing costs ~2x its writing (measured here), so past a few workers
+# the one writer is the bottleneck and more would only hold memory
+DEFAULT_MAX = 4
 
 
 @dataclass
@@ -60,7 +63,7 @@ def worth_it(reads: list, workers: int | None) -> int:
     """How many workers to start for these reads: 0 to read in this process (small input, one
     core, no fork here, or threads running that a fork would copy mid-step)."""
     cores = os.cpu_count() or 1
-    n = cores if workers is None else workers
+    n = min(cores, DEFAULT_MAX) if workers is None else workers
     if n < 1 or cores < 2 or not sys.platform.startswith("linux") or _threads_in_the_way():
         return 0
     return n if _size(reads, MIN_BYTES) >= MIN_BYTES else 0

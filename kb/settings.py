@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     llm_api_key: SecretStr | None = Field(default=None, description="the endpoint's API key; local servers need none")
     ingest_workers: int | None = Field(
         default=None, description="processes that read and prepare a big ingest (4 MB and more) while the "
-                                  "writer writes; default one per core; 0 reads in the writing process")
+                                  "writer writes; default one per core, up to 4; 0 reads in the writing process")
     threads: int = Field(default=1, description="torch / llama.cpp threads; 1 is fastest beside other work")
     # the job queue and its backends (runner/): see README "Running experiments"
     job_lease_s: float = Field(default=120.0, description="a running job's lease; renewed every quarter of it")

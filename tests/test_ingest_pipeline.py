@@ -185,5 +185,8 @@ def test_small_inputs_and_busy_processes_read_in_line(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline.os, "cpu_count", lambda: 2)
     assert pipeline.worth_it(reads, None) == 2
     assert pipeline.worth_it(reads, 0) == 0                     # KB_INGEST_WORKERS=0
+    monkeypatch.setattr(pipeline.os, "cpu_count", lambda: 64)
+    assert pipeline.worth_it(reads, None) == pipeline.DEFAULT_MAX  # one writer keeps up with no more
+    assert pipeline.worth_it(reads, 8) == 8                     # unless asked
     monkeypatch.setattr(pipeline, "_threads_in_the_way", lambda: True)
     assert pipeline.worth_it(reads, None) == 0                  # a fork would copy another thread mid-step
