@@ -4,7 +4,8 @@
 
 Builds (once, cached under benchmarks/.cache/) a MLflow tracking store on SQLite through
 MlflowClient.log_batch and a TensorBoard tree through torch's SummaryWriter, then ingests
-each with `KnowledgeBase.ingest` into a fresh embedded store and prints runs/s and points/s.
+each with `KnowledgeBase.ingest` into a fresh embedded store, in one process and then by the
+ingest workers (ingest.pipeline), and prints runs/s, points/s and the ratio.
 """
 from __future__ import annotations
 
@@ -67,16 +68,21 @@ def build_tensorboard(root: Path, n: int, points: int) -> int:
 
 
 def ingest(target: str, label: str, runs: int, points: int) -> None:
+    """Read in one process (KB_INGEST_WORKERS=0), then by the default worker processes."""
     from kb.api import KnowledgeBase
     from kb.settings import Settings
-    with tempfile.TemporaryDirectory() as d:
-        k = KnowledgeBase.open(Settings(home=Path(d)))
-        t = time.perf_counter()
-        report = k.ingest(target, index=False)
-        dt = time.perf_counter() - t
-        k.close()
-    assert report.added == runs and not report.failed, (label, report.as_dict())
-    print(f"{label:12s} {runs} runs, {points:,} points in {dt:.1f} s = {runs / dt:.0f} runs/s, {points / dt:,.0f} points/s")
+    took = {}
+    for workers, how in ((0, "in one process"), (None, "with workers")):
+        with tempfile.TemporaryDirectory() as d:
+            k = KnowledgeBase.open(Settings(home=Path(d), ingest_workers=workers))
+            t = time.perf_counter()
+            report = k.ingest(target, index=False)
+            took[how] = dt = time.perf_counter() - t
+            k.close()
+        assert report.added == runs and not report.failed, (label, report.as_dict())
+        print(f"{label:12s} {how:15s} {runs} runs, {points:,} points in {dt:.1f} s = {runs / dt:.0f} runs/s, "
+              f"{points / dt:,.0f} points/s")
+    print(f"{label:12s} workers / one process: {took['in one process'] / took['with workers']:.2f}x")
 
 
 def main() -> None:

@@ -27,7 +27,11 @@ class Ingester(Protocol):
         options named in `options` are passed (see `options_for`).
 
         Heavy client libraries (mlflow, tensorboard, ...) are imported here, not at module
-        import, so `kb --help` and `kb runs` stay fast."""
+        import, so `kb --help` and `kb runs` stay fast.
+
+    An ingester that can cut a big target into parts read apart (ingest.pipeline reads them in
+    worker processes) also has `parts(target) -> list | None` (None: read it whole) and
+    `read_part(target, part)`, which together yield what `read` yields, in the same order."""
 
 
 INGESTERS: dict[str, Ingester] = {}

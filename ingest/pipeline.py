@@ -3,8 +3,9 @@
 Reading a run (JSON, validation) and preparing its rows (kb.runs.prepare_run: curve stats,
 anomalies, fields, packed curves, the card) is pure Python and about 60% of a bulk ingest into
 SQLite; SQLite's writes take the GIL back at every row, so a thread gains nothing there
-(measured), processes do. The work is cut into tasks: a file of a walk, or a slice of lines of a
-big JSONL file (cut at line ends, so line numbers stay those of the file). Forked workers take
+(measured), processes do. The work is cut into tasks: a file of a walk, or a part of a big
+target where its ingester can cut one (a JSONL file's slices of lines, cut at line ends so line
+numbers stay those of the file; a TensorBoard tree's runs in groups). Forked workers take
 the tasks in turn (worker w: tasks w, w + n, ...) and send each one's results in chunks; the
 writer reads them task by task, so runs reach it, and the report, in the order one process
 would have produced them.
@@ -27,13 +28,11 @@ from pathlib import Path
 from typing import Iterator
 
 from ingest.base import options_for
-from ingest.native import read_lines
 from kb.errors import InvalidRecord
 from kb.records import NoteRecord, Parsed, RunRecord
 from kb.runs import PreparedRun, prepare_run
 
 MIN_BYTES = 4 * 2**20       # below this a worker's start (~30 ms) and the pipe cost more than they save
-SLICE_BYTES = 2**20     # a big JSONL file's lines go out in slices of about this size
 CHUNK_RUNS = 32             # runs per message
 QUEUE_CHUNKS = 8            # messages waiting per worker: memory stays bounded when the writer lags
 POLL_S = 1.0                # how often a waiting writer checks that its worker is still alive
@@ -45,7 +44,7 @@ DEFAULT_MAX = 4
 @dataclass
 class Task:
     read: object                # ingest.detect.Read
-    span: tuple[int, int, int] | None = None     # (first byte, end byte, line number of the first)
+    part: object = None         # a part of it (its ingester's `parts`), or None: all of it
 
 
 @dataclass
@@ -79,7 +78,9 @@ def _size(reads: list, enough: int) -> int:
     """Bytes under the reads' sources, counted until `enough` is reached."""
     total = 0
     for read in reads:
-        path = Path(read.source)
+        # an MLflow store named by its SQLite URL counts as its file
+        path = Path(read.source.removeprefix("sqlite:///")) if read.source.startswith("sqlite:///") \
+            else Path(read.source)
         if path.is_file():
             total += path.stat().st_size
         elif path.is_dir():
@@ -97,26 +98,16 @@ def _size(reads: list, enough: int) -> int:
 
 
 def tasks_for(reads: list) -> list[Task]:
+    """A task per read, or per part of it where its ingester cuts it (ingest.base.Ingester)."""
     tasks = []
     for read in reads:
-        path = Path(read.source)
-        if read.ingester.name == "native" and path.suffix in (".jsonl", ".ndjson") and path.is_file() \
-                and path.stat().st_size > SLICE_BYTES:
-            tasks += [Task(read, span) for span in _slices(path)]
+        cut = getattr(read.ingester, "parts", None)
+        parts = cut(read.source) if cut else None
+        if parts and len(parts) > 1:
+            tasks += [Task(read, part) for part in parts]
         else:
             tasks.append(Task(read))
     return tasks
-
-
-def _slices(path: Path) -> Iterator[tuple[int, int, int]]:
-    with path.open("rb") as fh:
-        start, line = 0, 1
-        while block := fh.read(SLICE_BYTES):
-            if not block.endswith(b"\n"):
-                block += fh.readline()          # a slice ends where its last line does
-            yield start, start + len(block), line
-            line += block.count(b"\n")
-            start += len(block)
 
 
 def run(reads: list, workers: int, options: dict, project: str | None) -> Iterator[Outcome]:
@@ -186,10 +177,10 @@ def _work(tasks: list[Task], q, options: dict, project: str | None) -> None:
 
 def _outcomes(task: Task, options: dict, project: str | None) -> Iterator[Outcome]:
     read = task.read
-    if task.span is None:
+    if task.part is None:
         items = read.ingester.read(read.source, **options_for(read.ingester, options))
     else:
-        items = read_lines(Path(read.source), *task.span)
+        items = read.ingester.read_part(read.source, task.part)
     for item in items:
         if not isinstance(item, Parsed):
             yield Outcome(None, rejected=item.error.as_dict(), source=read.source)

@@ -91,18 +91,39 @@ class TensorBoardIngester:
             yield rejected(target, "reading TensorBoard files needs the tensorboard package: "
                            "pip install 'pretrain-kb[sources]'")
             return
-        root = Path(target).resolve()
-        if root.is_file():
-            root = root.parent
-        folders = log_folders(root)
-        if not folders:
+        root, runs, project = _plan(target)
+        if not runs:
             yield rejected(root, "no TensorBoard event files (events.out.tfevents.*) here")
             return
-        project = (root.parent.name if folders[0] == root else root.name) or "default"
-        for run_dir, child in plan_runs(folders):
+        yield from self.read_part(target, (root, runs, project))
+
+    def parts(self, target: str) -> list[tuple[Path, list, str]] | None:
+        """A tree's runs in groups of PART_RUNS, each read apart (ingest.pipeline)."""
+        root, runs, project = _plan(target)
+        if len(runs) <= PART_RUNS:
+            return None
+        return [(root, runs[i:i + PART_RUNS], project) for i in range(0, len(runs), PART_RUNS)]
+
+    def read_part(self, target: str, part: tuple[Path, list, str]) -> Iterator[Item]:
+        root, runs, project = part
+        for run_dir, child in runs:
             item = _read_run(root, run_dir, child, project)
             if item is not None:
                 yield item
+
+
+PART_RUNS = 16          # a part of a tree read by one worker: enough to make its start worth it
+
+
+def _plan(target: str) -> tuple[Path, list[tuple[Path, Path | None]], str]:
+    """(root, its runs as plan_runs gives them, the project they go to)."""
+    root = Path(target).resolve()
+    if root.is_file():
+        root = root.parent
+    folders = log_folders(root)
+    if not folders:
+        return root, [], ""
+    return root, plan_runs(folders), (root.parent.name if folders[0] == root else root.name) or "default"
 
 
 def log_folders(root: Path) -> list[Path]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from ingest import pipeline
+from ingest import native, pipeline, tensorboard
 from ingest.detect import resolve
 from kb.ablation_store import snapshot
 from kb.models import Run
@@ -82,7 +82,8 @@ pipeline_runs = [0]
 @pytest.fixture
 def small_pipeline(monkeypatch):
     monkeypatch.setattr(pipeline, "MIN_BYTES", 1)
-    monkeypatch.setattr(pipeline, "SLICE_BYTES", 4000)
+    monkeypatch.setattr(native, "SLICE_BYTES", 4000)
+    monkeypatch.setattr(tensorboard, "PART_RUNS", 2)
     monkeypatch.setattr(pipeline, "CHUNK_RUNS", 5)
     # pytest's own helper threads (xdist's channel) hold none of the locks a worker takes
     monkeypatch.setattr(pipeline, "_threads_in_the_way", lambda: False)
@@ -146,6 +147,27 @@ def test_a_walk_of_mixed_real_files_gives_the_same_store_and_report(kb_factory, 
     assert report["added"] > 12 and report["skipped"] and store["counts"]["notes"]
 
 
+def test_a_tensorboard_tree_read_in_parts_gives_the_same_store(kb_factory, tmp_path):
+    """Runs written by torch's SummaryWriter: plain scalars, an add_hparams sweep (its trials
+    folded into runs of their own) and a run whose hparams sit in a child folder."""
+    from torch.utils.tensorboard import SummaryWriter
+    root = tmp_path / "exp"
+    for i in range(5):
+        with SummaryWriter(root / f"lr-{i}") as w:
+            for step in range(30):
+                w.add_scalar("train/loss", 5.0 / (1 + step) + 0.1 * i, step, walltime=1.7e9 + step)
+            if i == 2:
+                w.add_hparams({"lr": 0.01 * i, "depth": 4}, {"hparam/val_loss": 1.0 + i})
+    with SummaryWriter(root / "sweep") as w:
+        for i, lr in enumerate((0.1, 0.2, 0.3)):
+            w.add_hparams({"lr": lr}, {"hparam/loss": 1.5 + i}, run_name=f"trial{i}")
+    assert len(pipeline.tasks_for(resolve(str(root)).reads)) > 2       # the tree is read in parts
+    (report, store), (piped_report, piped_store) = ingest_both(kb_factory, str(root))
+    assert piped_report == report
+    assert piped_store == store
+    assert report["added"] == 8 and not report["failed"]
+
+
 def test_project_override_reaches_the_workers(kb_factory, tmp_path):
     path = write_jsonl(tmp_path / "runs.jsonl", sweep_lines(12))
     (_, store), (_, piped_store) = ingest_both(kb_factory, str(path), project="forced")
@@ -158,7 +180,7 @@ def test_an_error_in_a_worker_is_raised_in_the_caller(kb_factory, tmp_path, monk
 
     def broken(*args, **kwargs):
         raise OSError("disk gone")
-    monkeypatch.setattr(pipeline, "read_lines", broken)
+    monkeypatch.setattr(native, "read_lines", broken)
     kb = kb_factory(2)
     with pytest.raises(OSError, match="disk gone"):
         kb.ingest(str(path), index=False)
@@ -168,7 +190,7 @@ def test_an_error_in_a_worker_is_raised_in_the_caller(kb_factory, tmp_path, monk
 def test_a_worker_that_dies_is_reported_not_waited_for(kb_factory, tmp_path, monkeypatch):
     import os
     path = write_jsonl(tmp_path / "runs.jsonl", sweep_lines(12))
-    monkeypatch.setattr(pipeline, "read_lines", lambda *a, **k: os._exit(3))
+    monkeypatch.setattr(native, "read_lines", lambda *a, **k: os._exit(3))
     monkeypatch.setattr(pipeline, "POLL_S", 0.05)
     kb = kb_factory(2)
     with pytest.raises(RuntimeError, match="exit code 3"):
