@@ -168,6 +168,24 @@ def test_a_tensorboard_tree_read_in_parts_gives_the_same_store(kb_factory, tmp_p
     assert report["added"] == 8 and not report["failed"]
 
 
+def test_an_mlflow_store_read_by_a_worker_gives_the_same_store(kb_factory, tmp_path):
+    """A store written by MLflow's own client, read through its client in a forked worker."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("gpt-small", artifact_location=str(tmp_path / "artifacts"))
+    for i, lr in enumerate((1e-3, 3e-4, 1e-3)):
+        run = client.create_run(exp, run_name=f"lr-{lr}-{i}", start_time=1_700_000_000_000)
+        client.log_batch(run.info.run_id, params=[Param("lr", str(lr)), Param("seed", str(i))],
+                         metrics=[Metric("val/loss", 4.0 - 0.1 * s - lr, 1_700_000_000_000 + s, s) for s in range(20)])
+        client.set_terminated(run.info.run_id, "FINISHED")
+    (report, store), (piped_report, piped_store) = ingest_both(kb_factory, uri)
+    assert piped_report == report
+    assert piped_store == store
+    assert report["added"] == 3
+
+
 def test_project_override_reaches_the_workers(kb_factory, tmp_path):
     path = write_jsonl(tmp_path / "runs.jsonl", sweep_lines(12))
     (_, store), (_, piped_store) = ingest_both(kb_factory, str(path), project="forced")
