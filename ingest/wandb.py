@@ -73,6 +73,9 @@ STATES = {"finished": "completed", "failed": "failed", "crashed": "failed", "kil
 EXPORT_MARKERS = ('"state"', '"history"', '"_wandb"', '"_step"', '"_timestamp"', '"_runtime"')
 
 
+PART_RUNS = 8           # runs of a folder read by one worker at a time: a run's log is the costly part
+
+
 @register("wandb")
 class WandbIngester:
     def detect(self, target: str) -> int:
@@ -110,6 +113,22 @@ class WandbIngester:
             return
         if not folders:
             yield rejected(path, "no W&B runs here (no run-*/offline-run-* folder with a .wandb log)")
+        yield from self.read_part(target, folders)
+
+    def parts(self, target: str) -> list[list[Path]] | None:
+        """A folder of many runs in groups of PART_RUNS, each read apart (ingest.pipeline)."""
+        path = Path(target).expanduser()
+        try:
+            if not path.is_dir() or _log_file(path) is not None:
+                return None
+            folders = _run_folders(path)
+        except OSError:
+            return None         # read() names the error
+        if len(folders) <= PART_RUNS:
+            return None
+        return [folders[i:i + PART_RUNS] for i in range(0, len(folders), PART_RUNS)]
+
+    def read_part(self, target: str, folders: list[Path]) -> Iterator[Item]:
         for folder in folders:
             log_path = _log_file(folder)
             if log_path is None:

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from ingest import native, pipeline, tensorboard
+from ingest import native, pipeline, tensorboard, wandb
 from ingest.detect import resolve
 from kb.ablation_store import snapshot
 from kb.models import Run
+from tests.test_ingest_wandb import wandb_dir  # noqa: F401 - the offline runs, written once by wandb
 
 DATA = Path(__file__).parent / "data"
 
@@ -184,6 +185,17 @@ def test_an_mlflow_store_read_by_a_worker_gives_the_same_store(kb_factory, tmp_p
     assert piped_report == report
     assert piped_store == store
     assert report["added"] == 3
+
+
+def test_a_wandb_folder_read_in_parts_gives_the_same_store(kb_factory, wandb_dir, monkeypatch):  # noqa: F811
+    """Offline runs written by the wandb client (tests/test_ingest_wandb.py), one part per run."""
+    monkeypatch.setattr(wandb, "PART_RUNS", 1)
+    root = str(wandb_dir["root"])
+    assert len(pipeline.tasks_for(resolve(root).reads)) == len(wandb_dir["written"]) >= 2
+    (report, store), (piped_report, piped_store) = ingest_both(kb_factory, root)
+    assert piped_report == report
+    assert piped_store == store
+    assert report["added"] == len(wandb_dir["written"])
 
 
 def test_project_override_reaches_the_workers(kb_factory, tmp_path):
