@@ -31,7 +31,8 @@ class Ingester(Protocol):
 
     An ingester that can cut a big target into parts read apart (ingest.pipeline reads them in
     worker processes) also has `parts(target) -> list | None` (None: read it whole) and
-    `read_part(target, part)`, which together yield what `read` yields, in the same order."""
+    `read_part(target, part)`, which together yield what `read` yields, in the same order; one
+    whose targets are URLs has `local_path(target) -> Path | None`, where its data lies here."""
 
 
 INGESTERS: dict[str, Ingester] = {}

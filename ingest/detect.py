@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ingest.base import INGESTERS, Ingester
 from kb.errors import UnknownFormat
-from kb.records import Rejected
+from kb.records import Parsed, Rejected
 
 MODULES = ("native", "mlflow", "wandb", "tensorboard", "hf_trainer", "logs", "notes", "table")
 SKIP_DIRS = {".git", "__pycache__", ".kb", ".venv", "node_modules"}
@@ -32,6 +32,15 @@ class Read:
     source: str
     ingester: Ingester
     project: str | None = None       # from the folder layout, for records that name none
+
+    def settle(self, item: Parsed, project: str | None) -> Parsed:
+        """The item's record under `project` (`--project`) when given, else under the folder's
+        project when the record names none."""
+        if project:
+            item.record = item.record.model_copy(update={"project": project})
+        elif self.project and "project" not in item.record.model_fields_set:
+            item.record = item.record.model_copy(update={"project": self.project})
+        return item
 
 
 @dataclass

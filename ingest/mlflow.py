@@ -67,6 +67,21 @@ class MlflowIngester:
             return 90
         return 0
 
+    def local_path(self, target: str) -> Path | None:
+        """The file or folder a target's store is on this machine (a SQLite file, an mlruns/
+        folder), or None for a server (ingest.pipeline sizes the input by it)."""
+        try:
+            uri = _tracking_uri(target)
+        except InvalidRecord:
+            return None
+        if _scheme(uri) == "sqlite":
+            from sqlalchemy.engine import make_url
+            return Path(make_url(uri).database)
+        if _scheme(uri) == "file":
+            from urllib.parse import unquote, urlparse
+            return Path(unquote(urlparse(uri).path))
+        return None
+
     def read(self, target: str) -> Iterator[Item]:
         try:
             uri = _tracking_uri(target)

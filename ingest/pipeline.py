@@ -78,9 +78,11 @@ def _size(reads: list, enough: int) -> int:
     """Bytes under the reads' sources, counted until `enough` is reached."""
     total = 0
     for read in reads:
-        # an MLflow store named by its SQLite URL counts as its file
-        path = Path(read.source.removeprefix("sqlite:///")) if read.source.startswith("sqlite:///") \
-            else Path(read.source)
+        # an ingester that reads URLs (MLflow's) says where the store lies, if on this machine
+        locate = getattr(read.ingester, "local_path", None)
+        path = locate(read.source) if locate else Path(read.source)
+        if path is None:
+            continue
         if path.is_file():
             total += path.stat().st_size
         elif path.is_dir():
@@ -185,10 +187,7 @@ def _outcomes(task: Task, options: dict, project: str | None) -> Iterator[Outcom
         if not isinstance(item, Parsed):
             yield Outcome(None, rejected=item.error.as_dict(), source=read.source)
             continue
-        if project:
-            item.record = item.record.model_copy(update={"project": project})
-        elif read.project and "project" not in item.record.model_fields_set:
-            item.record = item.record.model_copy(update={"project": read.project})
+        read.settle(item, project)
         if isinstance(item.record, NoteRecord):
             yield Outcome(item, source=read.source)
             continue

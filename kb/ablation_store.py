@@ -161,7 +161,7 @@ class _Refresh:
         self._load(queued)
         live = [self.rows[r] for r in sorted(queued) if r in self.rows and self.rows[r].project not in self.skip]
         old = {a.id: a for a in self._ablations_holding(queued) if a.project not in self.skip}
-        if not old and len(live) == 0 and all(r in self.rows for r in queued):
+        if not old and not live and all(r in self.rows for r in queued):
             return      # every queued run is in a project rebuilt just now, and held nothing elsewhere
         # 1. the queued runs' buckets, rewritten (a rebuilt project's are written already)
         for chunk in chunked(sorted(r for r in queued if r not in self.rows or self.rows[r].project not in self.skip)):

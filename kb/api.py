@@ -87,7 +87,7 @@ class KnowledgeBase:
         def tick(source: str) -> None:
             if progress:
                 progress(source, report.added + report.updated + report.unchanged + len(report.failed))
-        with RecordWriter(self.engine, report, project) as writer:
+        with RecordWriter(self.engine, report) as writer:
             if workers:     # a big input: read and prepared in worker processes while this one writes
                 _write_outcomes(writer, pipeline.run(plan.reads, workers, options, project), tick)
             else:
@@ -504,9 +504,7 @@ def _write_reads(writer: RecordWriter, reads: list, options: dict, project: str 
     for read in reads:
         for item in read.ingester.read(read.source, **options_for(read.ingester, options)):
             if isinstance(item, Parsed):
-                if read.project and not project and "project" not in item.record.model_fields_set:
-                    item.record = item.record.model_copy(update={"project": read.project})
-                writer.add(item)
+                writer.add(read.settle(item, project))
             else:
                 writer.report.failed.append(item.error.as_dict())
             tick(read.source)

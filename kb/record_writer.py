@@ -48,9 +48,9 @@ class RecordWriter:
     """`with RecordWriter(engine, report) as w: w.add(parsed)`; everything added is written by
     the end of the block, and also when an error ends it early (what came before it stays)."""
 
-    def __init__(self, engine, report: IngestReport, project: str | None = None):
+    def __init__(self, engine, report: IngestReport):
         self.batch = WriteBatch(engine)
-        self.report, self.project = report, project
+        self.report = report
         self.group: list[tuple[Parsed, PreparedRun]] = []
         self.ids: set[str] = set()
         threaded = engine.dialect.name == "postgresql"
@@ -72,8 +72,6 @@ class RecordWriter:
             self.batch.__exit__(exc_type, exc, tb)
 
     def add(self, item: Parsed) -> None:
-        if self.project:
-            item.record = item.record.model_copy(update={"project": self.project})
         if isinstance(item.record, NoteRecord):
             self.flush()            # in the order given: a later run may cite this note
             self._drain()
@@ -87,8 +85,8 @@ class RecordWriter:
         self.add_prepared(item, prepared)
 
     def add_prepared(self, item: Parsed, prepared: PreparedRun) -> None:
-        """A run prepared elsewhere (ingest.pipeline), its project settled; the report reads only
-        the project of `item.record`."""
+        """A run prepared elsewhere (ingest.pipeline); the report reads only the project of
+        `item.record`."""
         if prepared.id in self.ids:
             self.flush()            # the same run twice: the second write must see the first
         self.group.append((item, prepared))
