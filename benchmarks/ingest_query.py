@@ -3,6 +3,8 @@
     python benchmarks/ingest_query.py            # full size: 2,000-run ingest, 10,000-run query
     python benchmarks/ingest_query.py --quick    # a smaller smoke run
     python benchmarks/ingest_query.py --json     # the figures as one JSON object, last line of stdout
+    python benchmarks/ingest_query.py --ingest-repeats 4   # the ingest 4 more times each way (one
+                                                 # process, workers), interleaved: its spread
     python benchmarks/ingest_query.py --postgres postgresql://user@host/db   # the query on Postgres too
                                                  # (or KB_BENCH_POSTGRES_URL; a scratch schema, dropped after)
 
@@ -33,10 +35,10 @@ os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 from synth import LRS, flat_params, make_runs  # noqa: E402
 
 
-def kb_open(home: Path):
+def kb_open(home: Path, **settings):
     from kb.api import KnowledgeBase
     from kb.settings import Settings
-    return KnowledgeBase.open(Settings(home=home))
+    return KnowledgeBase.open(Settings(home=home, **settings))
 
 
 def write_jsonl(path: Path, runs: list[dict]) -> Path:
@@ -67,20 +69,44 @@ def sqlite_floor(path: Path, runs: list[dict]) -> float:
     return len(rows) / elapsed
 
 
+def time_ingest(tmp: Path, runs: list[dict], path: Path, label: str, **settings) -> tuple[float, float]:
+    """(seconds of our ingest of `path` into a fresh store, the floor's points/s). The floor is
+    measured before and after ours, the faster one kept: a burst of load elsewhere during one
+    floor measurement must not flatter the fraction."""
+    floor = sqlite_floor(tmp / f"floor-{label}-1.sqlite", runs)
+    k = kb_open(tmp / f"kb-{label}", **settings)
+    t = time.perf_counter()
+    report = k.ingest(str(path), index=False)
+    kb_s = time.perf_counter() - t
+    assert report.added == len(runs) and not report.failed, report.as_dict()
+    k.close()
+    return kb_s, max(floor, sqlite_floor(tmp / f"floor-{label}-2.sqlite", runs))
+
+
+def bench_ingest_spread(tmp: Path, n_runs: int, repeats: int) -> dict:
+    """The ingest's fraction of the floor `repeats` times each way, in one process and with the
+    ingest workers, interleaved so that the machine's drift weighs on both alike."""
+    runs = make_runs(n_runs)
+    points = sum(len(p) for r in runs for p in r["metrics"].values())
+    path = write_jsonl(tmp / "spread.jsonl", runs)
+    fractions: dict[str, list[float]] = {"one_process": [], "workers": []}
+    for i in range(repeats):
+        for way, workers in (("one_process", 0), ("workers", None)):
+            kb_s, floor = time_ingest(tmp, runs, path, f"spread-{i}-{way}", ingest_workers=workers)
+            fractions[way].append(round(points / kb_s / floor, 3))
+    out = {}
+    for way, got in fractions.items():
+        out[way] = {"fractions": got, "min": min(got), "median": statistics.median(got), "max": max(got)}
+        print(f"ingest  {way.replace('_', ' ')}, {repeats} runs: {min(got):.0%} to {max(got):.0%} of the floor "
+              f"(median {statistics.median(got):.0%}): {', '.join(f'{f:.0%}' for f in got)}")
+    return out
+
+
 def bench_ingest(tmp: Path, n_runs: int, n_mlflow: int) -> dict:
     runs = make_runs(n_runs)
     points = sum(len(p) for r in runs for p in r["metrics"].values())
     path = write_jsonl(tmp / "runs.jsonl", runs)
-    # the floor before and after ours, the faster one kept: a burst of load elsewhere during
-    # one floor measurement must not flatter the fraction
-    floor = sqlite_floor(tmp / "floor-1.sqlite", runs)
-    k = kb_open(tmp / "kb-ingest")
-    t = time.perf_counter()
-    report = k.ingest(str(path), index=False)
-    kb_s = time.perf_counter() - t
-    assert report.added == n_runs and not report.failed, report.as_dict()
-    k.close()
-    floor = max(floor, sqlite_floor(tmp / "floor-2.sqlite", runs))
+    kb_s, floor = time_ingest(tmp, runs, path, "ingest")
 
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
@@ -271,6 +297,8 @@ def main() -> None:
     ap.add_argument("--postgres", metavar="URL", default=os.environ.get("KB_BENCH_POSTGRES_URL"),
                     help="also time the query on this Postgres (default: $KB_BENCH_POSTGRES_URL)")
     ap.add_argument("--skip-vectors", action="store_true", help="leave out the embedding benchmark")
+    ap.add_argument("--ingest-repeats", type=int, default=0, metavar="N",
+                    help="also measure the ingest N more times in one process and with workers, interleaved")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
@@ -280,6 +308,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         figures["ingest"] = bench_ingest(tmp, sizes["ingest"], sizes["mlflow"])
+        if args.ingest_repeats:
+            figures["ingest_spread"] = bench_ingest_spread(tmp, sizes["ingest"], args.ingest_repeats)
         figures["query"] = bench_query(tmp, sizes["query"], sizes["repeats"], args.postgres)
         if not args.skip_vectors:
             figures["vectors"] = bench_vectors(tmp, sizes["cards"])
