@@ -4,13 +4,13 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Sequence
 
 from pydantic_core import from_json
 
 from ingest.base import TOO_DEEP, read_json_file, register, rejected
 from kb.errors import InvalidRecord
-from kb.records import Item, Parsed, RunRecord, parse_run
+from kb.records import Item, Parsed, Rejected, RunRecord, parse_run
 
 
 @register("native")
@@ -141,3 +141,44 @@ def _json_score(path: Path) -> int:
 
 def _looks_native(head: bytes) -> bool:
     return any(f'"{k}"'.encode() in head for k in ("metrics", "config", "summary")) and b'"log_history"' not in head
+
+
+class RecordsReader:
+    """Native records already in memory as dicts (KnowledgeBase.ingest_records), read as an
+    ingester reads a file: record i is line i of `source`, and a list of them is cut into parts
+    for the ingest workers (forked, they read the caller's list where it lies)."""
+
+    options: frozenset[str] = frozenset()
+    PART_RUNS = 32
+
+    def __init__(self, records: Iterable, source_kind: str = "native"):
+        self.records, self.source_kind = records, source_kind
+
+    def read(self, source: str) -> Iterator[Item]:
+        for i, data in enumerate(self.records, start=1):
+            yield self._parsed(source, i, data)
+
+    def parts(self, source: str) -> list[tuple[int, int]] | None:
+        if not isinstance(self.records, Sequence):
+            return None         # a generator is read once, in order, where it is
+        n = len(self.records)
+        return [(a, min(n, a + self.PART_RUNS)) for a in range(0, n, self.PART_RUNS)]
+
+    def read_part(self, source: str, part: tuple[int, int]) -> Iterator[Item]:
+        for i in range(*part):
+            yield self._parsed(source, i + 1, self.records[i])
+
+    def approx_bytes(self) -> int:
+        """What the records would take as JSONL, roughly (~30 bytes a curve point, 1 KB the
+        rest), for the workers' threshold; 0 for a generator, which they cannot cut."""
+        if not isinstance(self.records, Sequence):
+            return 0
+        points = sum(len(curve) for r in self.records if isinstance(r, dict) and isinstance(r.get("metrics"), dict)
+                     for curve in r["metrics"].values() if isinstance(curve, (list, tuple)))
+        return 30 * points + 1024 * len(self.records)
+
+    def _parsed(self, source: str, i: int, data) -> Item:
+        try:
+            return Parsed(parse_run(data), self.source_kind, source, i)
+        except InvalidRecord as exc:
+            return Rejected(exc.at(source, i))

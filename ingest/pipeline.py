@@ -5,7 +5,8 @@ anomalies, fields, packed curves, the card) is pure Python and about 60% of a bu
 SQLite; SQLite's writes take the GIL back at every row, so a thread gains nothing there
 (measured), processes do. The work is cut into tasks: a file of a walk, or a part of a big
 target where its ingester can cut one (a JSONL file's slices of lines, cut at line ends so line
-numbers stay those of the file; a TensorBoard tree's runs in groups). Forked workers take
+numbers stay those of the file; a TensorBoard tree's runs in groups; a list of records given
+to KnowledgeBase.ingest_records, which the forked workers read where it lies). Forked workers take
 the tasks in turn (worker w: tasks w, w + n, ...) and send each one's results in chunks; the
 writer reads them task by task, so runs reach it, and the report, in the order one process
 would have produced them.
@@ -78,6 +79,10 @@ def _size(reads: list, enough: int) -> int:
     """Bytes under the reads' sources, counted until `enough` is reached."""
     total = 0
     for read in reads:
+        in_memory = getattr(read.ingester, "approx_bytes", None)      # records given as objects
+        if in_memory:
+            total += in_memory()
+            continue
         # an ingester that reads URLs (MLflow's) says where the store lies, if on this machine
         locate = getattr(read.ingester, "local_path", None)
         path = locate(read.source) if locate else Path(read.source)

@@ -25,7 +25,7 @@ from typing import Iterable
 from sqlalchemy import and_, delete, func, insert, select, text, update
 from sqlalchemy.engine import Connection, Engine
 
-from kb.ablations import (TAG, Config, bucket_ablations, covered_by, find_ablations, group_runs, name_of,
+from kb.ablations import (RUN_FIELDS, TAG, Config, bucket_ablations, covered_by, find_ablations, group_runs, name_of,
                           run_fields, signed, tag_ablation, tagged_factors)
 from kb.db import bulk_insert, chunked
 from kb.fields import FIELD_COLUMNS, canonical, field_tuples
@@ -328,33 +328,77 @@ def _write_sigs(conn: Connection, configs: list[Config]) -> None:
 
 
 def _replace(conn: Connection, old: set[str], new: list[dict], touched: set[str]) -> None:
-    """Old ablations out, new in, and the `ablations.*` fields of every run either holds (and of
-    `touched`) written again from all the ablations it is in now."""
-    members = set(touched)
+    """Old ablations out, new in, and `ablations.*` fields written again where they may change:
+    all of a `touched` run's, and of any other run either holds, those of the names they go by.
+    A run's fields of one name come from its ablations of that name alone, so a run joining an
+    `lr` ablation leaves its members' other fields be (at 40,000 runs of dense sweeps, reading
+    every field and ablation of each member was a third of a refresh)."""
     queue_refs(conn, "ablation", sorted(old | {a["id"] for a in new}))     # their points follow
+    names: dict[str, set[str]] = defaultdict(set)        # run id -> names whose fields may change
     for chunk in chunked(sorted(old)):
-        members.update(conn.execute(select(_MEMBER.c.run_id).where(_MEMBER.c.ablation_id.in_(chunk))).scalars())
+        was = select(_MEMBER.c.run_id, _ABL.c.factor).join(_ABL, _ABL.c.id == _MEMBER.c.ablation_id)
+        for rid, factor in conn.execute(was.where(_MEMBER.c.ablation_id.in_(chunk))):
+            names[rid].add(name_of(factor))
         conn.execute(delete(_MEMBER).where(_MEMBER.c.ablation_id.in_(chunk)))
         conn.execute(delete(_ABL).where(_ABL.c.id.in_(chunk)))
     if new:
         conn.execute(insert(_ABL), new)
     links = sorted({(rid, a["id"]) for a in new for v in a["variants"] for rid in v["runs"]})
-    members.update(rid for rid, _ in links)
     bulk_insert(conn, "ablationrun", ("run_id", "ablation_id"), links)
-    # fields from every ablation each member is in (a name two ablations share goes to the later)
-    ids = sorted(members)
-    holding: dict[str, dict] = {}
-    stored: dict[tuple[str, str], tuple] = {}
-    for chunk in chunked(ids):
-        for rid, key, *value in conn.execute(select(*_FIELD_READ)
-                                             .where(RunField.run_id.in_(chunk), ABLATION_FIELDS)):
-            stored[(rid, key)] = tuple(value)
-        held = select(_MEMBER.c.ablation_id).where(_MEMBER.c.run_id.in_(chunk))
-        for a in conn.execute(select(*_ABL_READ).where(_ABL.c.id.in_(held))):
-            holding[a.id] = {"id": a.id, "factor": a.factor, "bucket": a.bucket, "variants": a.variants}
-    per_run = run_fields(list(holding.values()))
-    rows = [row for rid in ids if rid in per_run for row in field_tuples(rid, {"ablations": per_run[rid]})]
+    for a in new:
+        name = name_of(a["factor"])
+        for v in a["variants"]:
+            for rid in v["runs"]:
+                names[rid].add(name)
+    for rid in touched:
+        names.pop(rid, None)
+    stored = _stored_fields(conn, touched, names)
+    per_run = run_fields(_holding(conn, touched, names, {a["id"]: a for a in new}))
+    rows = []
+    for rid in sorted(touched | set(names)):
+        fields = per_run.get(rid, {})
+        if rid in names:
+            fields = {n: f for n, f in fields.items() if n in names[rid]}
+        rows += field_tuples(rid, {"ablations": fields})
     _write_changed(conn, stored, rows)
+
+
+def _stored_fields(conn: Connection, whole: set[str], names: dict[str, set[str]]) -> dict[tuple[str, str], tuple]:
+    """The stored `ablations.*` fields (run id, key) -> (vtype, num, text): all of the `whole`
+    runs', and of the others those of their `names`."""
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for rid, wanted in names.items():
+        for name in wanted:
+            by_name[name].append(rid)
+    reads = [(sorted(whole), ABLATION_FIELDS)]
+    reads += [(sorted(rids), RunField.key.in_(_field_keys(name))) for name, rids in sorted(by_name.items())]
+    stored: dict[tuple[str, str], tuple] = {}
+    for rids, keys in reads:
+        for chunk in chunked(rids):
+            for rid, key, *value in conn.execute(select(*_FIELD_READ).where(RunField.run_id.in_(chunk), keys)):
+                stored[(rid, key)] = tuple(value)
+    return stored
+
+
+def _field_keys(name: str) -> list[str]:
+    """The keys of a run's `ablations.<name>` fields (kb.ablations.run_fields writes them all)."""
+    return [row[1] for row in field_tuples("", {"ablations": {name: dict.fromkeys(RUN_FIELDS)}})]
+
+
+def _holding(conn: Connection, whole: set[str], names: dict[str, set[str]], new: dict[str, dict]) -> list[dict]:
+    """The ablations the fields to write come from: every one a `whole` run is in, and those of
+    the other runs' `names`; `new` as given (just written), the rest read."""
+    wanted: set[str] = set()
+    held = select(_MEMBER.c.run_id, _MEMBER.c.ablation_id, _ABL.c.factor).join(_ABL, _ABL.c.id == _MEMBER.c.ablation_id)
+    for chunk in chunked(sorted(whole | set(names))):
+        for rid, aid, factor in conn.execute(held.where(_MEMBER.c.run_id.in_(chunk))):
+            if aid not in new and (rid not in names or name_of(factor) in names[rid]):
+                wanted.add(aid)
+    out = list(new.values())
+    for chunk in chunked(sorted(wanted)):
+        out += [{"id": a.id, "factor": a.factor, "bucket": a.bucket, "variants": a.variants}
+                for a in conn.execute(select(*_ABL_READ).where(_ABL.c.id.in_(chunk)))]
+    return out
 
 
 def _write_changed(conn: Connection, stored: dict[tuple[str, str], tuple], rows: list[tuple]) -> None:

@@ -59,6 +59,7 @@ def _hash(tag: bytes, text: str) -> int:
                           "little")
 
 
+@lru_cache(maxsize=1 << 16)       # a sweep's runs share most (key, value) items
 def _item_hash(key: str, value: str) -> int:
     return _hash(b"k", f"{key}\x00{value}")      # value is JSON text: no NUL, so the split is unique
 
@@ -287,6 +288,9 @@ def find_ablations(project: str, runs: list, known: dict[str, Parts] | None = No
 def precedence(ablation: dict) -> tuple:
     """Config ablations before tag ablations, each by factor: where two share a name, the later wins."""
     return (ablation["bucket"] is None, ablation["factor"], ablation["id"])
+
+
+RUN_FIELDS = ("role", "id", "delta", "exceeds_seed_spread")     # a member's fields of each ablation name
 
 
 def run_fields(ablations: list[dict]) -> dict[str, dict]:

@@ -19,7 +19,7 @@ from kb.errors import IndexBusy, IndexDamaged, InvalidRecord, NotFound, ReadOnly
 from kb.models import IndexPending, Note, Run
 from kb.models import RunPublic
 from kb.record_writer import IngestReport, RecordWriter
-from kb.records import Parsed, parse_run
+from kb.records import Parsed
 from kb.runs import RunDetail, read_detail
 from kb.settings import Settings
 from kb.tracking import TrackedRun
@@ -98,16 +98,21 @@ class KnowledgeBase:
 
     def ingest_records(self, records: Iterable[dict], *, source: str = "api", source_kind: str = "native",
                        index: bool = True) -> IngestReport:
-        """Native records given as dicts (the REST API, hooks and the runner write through this)."""
+        """Native records given as dicts (the REST API, hooks and the runner write through this).
+        Record i is reported as line i of `source`. A big list is read and prepared by the
+        ingest workers (ingest.pipeline), as a big file is."""
+        from ingest import pipeline
+        from ingest.detect import Read
+        from ingest.native import RecordsReader
+
         report = IngestReport()
+        reads = [Read(source, RecordsReader(records, source_kind))]
+        workers = pipeline.worth_it(reads, self.settings.ingest_workers)
         with RecordWriter(self.engine, report) as writer:
-            for i, data in enumerate(records, start=1):
-                try:
-                    record = parse_run(data)
-                except InvalidRecord as exc:
-                    report.failed.append(exc.at(source, i).as_dict())
-                    continue
-                writer.add(Parsed(record, source_kind, source, i))
+            if workers:
+                _write_outcomes(writer, pipeline.run(reads, workers, {}, None), _no_tick)
+            else:
+                _write_reads(writer, reads, {}, None, _no_tick)
         self._after_writes(report, index)
         report.pending_index = self.pending_index()
         return report
@@ -495,6 +500,10 @@ class _LazyEmbedder:
 
     def encode(self, texts: list[str]):
         return self.kb.embedder.encode(texts)
+
+
+def _no_tick(source: str) -> None:
+    pass
 
 
 def _write_reads(writer: RecordWriter, reads: list, options: dict, project: str | None,

@@ -85,6 +85,7 @@ def small_pipeline(monkeypatch):
     monkeypatch.setattr(pipeline, "MIN_BYTES", 1)
     monkeypatch.setattr(native, "SLICE_BYTES", 4000)
     monkeypatch.setattr(tensorboard, "PART_RUNS", 2)
+    monkeypatch.setattr(native.RecordsReader, "PART_RUNS", 5)
     monkeypatch.setattr(pipeline, "CHUNK_RUNS", 5)
     # pytest's own helper threads (xdist's channel) hold none of the locks a worker takes
     monkeypatch.setattr(pipeline, "_threads_in_the_way", lambda: False)
@@ -133,6 +134,28 @@ def test_a_sliced_jsonl_file_gives_the_same_store_report_and_order(kb_factory, t
     # line numbers are the file's, whichever slice the line was in
     assert [(f["line"], f.get("field")) for f in report["failed"]] == [(8, ""), (21, "metrics.loss.0.1")]
     assert report["added"] == 48 and report["updated"] == 1
+    assert any(snap["ablations"] for snap in store["ablations"].values())
+
+
+def test_records_given_as_a_list_give_the_same_store_report_and_order(kb_factory):
+    """KnowledgeBase.ingest_records: a list is cut into parts the forked workers read where it
+    lies; a generator is read once, in line. Bad records are reported by their index."""
+    given = records(30)
+    given.insert(4, ["not", "a", "record"])
+    given.insert(11, {"id": "bad-metric", "metrics": {"loss": [[0, "high"]]}})
+    given.append({**records(1)[0], "name": "again"})                  # run-000 again, changed: updated
+    out = []
+    for workers, batch in ((0, given), (2, given), (2, iter(given))):
+        kb = kb_factory(workers)
+        before = pipeline_runs[0]
+        report = kb.ingest_records(batch, source="sweep", index=False)
+        assert pipeline_runs[0] - before == (1 if workers and isinstance(batch, list) else 0)
+        out.append((report.as_dict() | {"ids": report.ids}, state(kb)))
+    (report, store), piped, streamed = out
+    assert piped == (report, store) and streamed == (report, store)
+    assert [(f["source"], f["line"], f["field"]) for f in report["failed"]] == [
+        ("sweep", 5, ""), ("sweep", 12, "metrics.loss.0.1")]
+    assert report["added"] == 30 and report["updated"] == 1
     assert any(snap["ablations"] for snap in store["ablations"].values())
 
 
