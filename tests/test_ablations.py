@@ -280,3 +280,32 @@ def test_a_run_with_20000_config_keys_ingests_with_its_ablations(kb, tmp_path):
     assert wide["baseline_run"] == "base" and {v["value"] for v in wide["variants"]} == {67, 512}
     assert kb.run("twice").ablations == []                  # two keys differ: no ablation
     assert {r.id for r in kb.runs(where="ablations.act.role = 'variant'")} == {"relu"}
+
+
+@pytest.mark.parametrize("name", ["lr", "x.y", "wéird key", "ablations"])
+def test_the_field_keys_a_refresh_reads_are_those_run_fields_writes(name):
+    """The refresh reads a member's stored fields of one name by these keys, so they must be
+    every key kb.ablations.run_fields can write for that name, whatever its values."""
+    from kb.ablation_store import _field_keys
+    from kb.ablations import run_fields
+    from kb.fields import field_tuples
+    for delta, exceeds in ((None, None), (0.25, True)):
+        ablation = {"id": "abl-1", "factor": f"config.{name}" if name != "x.y" else name, "bucket": 1,
+                    "variants": [{"runs": ["r1"], "baseline": True, "delta": delta, "exceeds_seed_spread": exceeds}]}
+        written = field_tuples("r1", {"ablations": run_fields([ablation])["r1"]})
+        assert sorted(key for _, key, *_ in written) == sorted(_field_keys(name))
+
+
+def test_a_run_joining_one_ablation_leaves_its_members_other_fields_alone(kb, tmp_path):
+    """The refresh redoes a member's fields of the changed ablation's name alone: its fields of
+    other names stay as they were, and the store still equals a recomputation from scratch."""
+    base = [run("b", 3.0), run("n", 2.9, norm="rmsnorm"), run("l", 2.8, lr=1e-3)]
+    ingest(kb, tmp_path, base)
+    with kb.engine.connect() as conn:
+        before = dict(conn.execute(text("SELECT key, text FROM runfield WHERE run_id = 'b' AND key LIKE 'ablations.norm.%'")).all())
+    ingest(kb, tmp_path, [run("l2", 2.7, lr=3e-3)])          # joins b's lr ablation only
+    with kb.engine.connect() as conn:
+        after = dict(conn.execute(text("SELECT key, text FROM runfield WHERE run_id = 'b' AND key LIKE 'ablations.norm.%'")).all())
+    assert before == after and before
+    assert {a["factor"] for a in kb.run("l2").ablations} == {"config.optim.lr"}
+    assert _state(kb, "p") == _rebuilt(kb, "p")
