@@ -10,11 +10,15 @@ Each size adds runs to the same store (benchmarks/scale_runs.py: sweeps over 6 m
 batch, warmup, norm and seeds, ~5% diverged, curves of --points-per-run points), then measures:
 
 - ingest: KnowledgeBase.ingest_records(batch, index=False), --batch runs a call, the product's own
-  path (runs written 64 at a time; on Postgres through COPY);
+  path (runs read and prepared by the ingest workers, written 64 at a time; on Postgres through
+  COPY), the calls of each size inside one `KnowledgeBase.bulk()` block, as a bulk load is meant
+  to be written: its ablation refresh and upkeep run once, at the block's end, and are timed
+  (--no-bulk: each call runs its own);
 - `kb runs --where`: k.runs(where, sort='summary.val/loss', limit=20) in process, p50/p95 over
   --repeats queries for filters that select ~0.1%, 1%, 10% and 50% of the runs (each repeat asks
   for other values; the match count is measured, not assumed); on Postgres again after an ANALYZE
-  of the schema's tables (ingest_records analyzes only after a call of more than 1,000 runs);
+  of the schema's tables (an ingest analyzes only after writing a tenth of the store or more:
+  a bulk block at its end, a lone call of 1,000 runs only while the store is under 10,000);
 - hybrid retrieval: agents.retrieve.Retriever.retrieve(k=8), p50/p95. Embedding 100k run cards
   with MiniLM takes ~40 min here, so the index is filled through the product's own sync
   (kb.indexer.sync: real cards, payloads and card hashes) with an embedder that embeds the first
@@ -33,6 +37,7 @@ log(n) reference). Postgres: --postgres URL or KB_BENCH_POSTGRES_URL, a scratch 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -91,15 +96,20 @@ class SampledEmbedder:
         return np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
 
 
-def ingest(k, start: int, stop: int, points: int, batch: int) -> dict:
-    """Runs start..stop through ingest_records, timing only the call (generation is excluded)."""
+def ingest(k, start: int, stop: int, points: int, batch: int, bulk: bool = True) -> dict:
+    """Runs start..stop through ingest_records, `batch` a call, the calls of one size in one
+    `k.bulk()` block unless not `bulk`: timed are the calls and the block's end (the ablation
+    refresh and upkeep it ran once), not the generation of the records."""
     spent = 0.0
-    for a in range(start, stop, batch):
-        records = [make_run(i, points) for i in range(a, min(stop, a + batch))]
+    with k.bulk() if bulk else contextlib.nullcontext():
+        for a in range(start, stop, batch):
+            records = [make_run(i, points) for i in range(a, min(stop, a + batch))]
+            t = time.perf_counter()
+            report = k.ingest_records(records, index=False)
+            spent += time.perf_counter() - t
+            assert report.added == len(records) and not report.failed, report.as_dict()
         t = time.perf_counter()
-        report = k.ingest_records(records, index=False)
-        spent += time.perf_counter() - t
-        assert report.added == len(records) and not report.failed, report.as_dict()
+    spent += time.perf_counter() - t
     n = stop - start
     return {"runs": n, "seconds": round(spent, 2), "runs_per_s": round(n / spent, 1),
             "points_per_s": round(n * points / spent)}
@@ -204,14 +214,14 @@ def bench_store(k, sizes: list[int], args, label: str) -> list[dict]:
     for size in sizes:
         # each figure printed as it is measured: a step that fails later still leaves them
         step = {"runs": size, "points": size * args.points_per_run,
-                "ingest": ingest(k, have, size, args.points_per_run, args.batch)}
+                "ingest": ingest(k, have, size, args.points_per_run, args.batch, args.bulk)}
         _partial(label, size, "ingest", step["ingest"])
         have = size
         step["query"] = measure_queries(k, size, args.repeats)
         _partial(label, size, "query", {f: q["p50_ms"] for f, q in step["query"].items()})
         if k.engine.dialect.name == "postgresql":
-            # ingest_records runs ANALYZE only after a call of more than ANALYZE_AFTER (1,000) runs,
-            # so batches of 1,000 leave the planner's statistics to autovacuum: measured both ways
+            # an ingest runs ANALYZE only after writing a tenth of the store (kb.db), so calls of
+            # 1,000 runs outside a bulk block leave the statistics to autovacuum: measured both ways
             analyze_schema(k)
             step["query_after_analyze"] = measure_queries(k, size, args.repeats)
             _partial(label, size, "query after ANALYZE",
@@ -450,10 +460,12 @@ def plot(result: dict, path: Path) -> None:
 
 def run_benchmark(args, tmp: Path) -> dict:
     sizes = sorted(args.sizes)
-    result = {"setup": {"sizes": sizes, "points_per_run": args.points_per_run, "batch": args.batch,
+    result = {"setup": {"sizes": sizes, "points_per_run": args.points_per_run, "batch": args.batch, "bulk": args.bulk,
                         "repeats": args.repeats, "real_cards": args.real_cards, "cpus": os.cpu_count(),
                         "load_average_at_start": round(os.getloadavg()[0], 2)},
-              "measured": ("ingest through KnowledgeBase.ingest_records(index=False); runs: k.runs(where, "
+              "measured": (f"ingest through KnowledgeBase.ingest_records(index=False), {args.batch} runs a call"
+                           + (", each size's calls in one KnowledgeBase.bulk() block, its end timed too" if args.bulk else "")
+                           + "; runs: k.runs(where, "
                            "sort='summary.val/loss', limit=20) in process; retrieval: Retriever.retrieve(k=8) over "
                            f"an index of every run card, failure and ablation, the first {args.real_cards} embedded "
                            "by MiniLM and the rest given one of those vectors plus noise; ask: k.ask() with no LLM; "
@@ -507,6 +519,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mlflow-cap-s", type=float, default=None,
                     help="seconds MLflow may take in all; 0 skips it (default 600; --quick: 120)")
     ap.add_argument("--batch", type=int, default=1000, help="runs per ingest_records call")
+    ap.add_argument("--bulk", action=argparse.BooleanOptionalAction, default=True,
+                    help="each size's calls in one KnowledgeBase.bulk() block (--no-bulk: each call refreshes "
+                         "ablations and looks after the tables itself)")
     ap.add_argument("--repeats", type=int, default=30, help="queries timed per filter and size")
     ap.add_argument("--ask-repeats", type=int, default=3, help="times each question is asked per size")
     ap.add_argument("--real-cards", type=int, default=None, help="cards embedded for real (default 1000; --quick 200)")

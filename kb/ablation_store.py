@@ -62,21 +62,26 @@ def queue_project(conn: Connection, project: str) -> None:
     conn.execute(insert(_QUEUE), {"run_id": None, "project": project})
 
 
-def refresh_all(engine: Engine) -> int:
+def refresh_all(engine: Engine, bulk: bool = False) -> int:
     """`refresh` in transactions of REFRESH_BATCH queued entries until the queue is empty (a bulk
-    load's refresh holds SQLite's write lock about a second at a time, as its writes did)."""
+    load's refresh holds SQLite's write lock about a second at a time, as its writes did).
+    `bulk` (the end of KnowledgeBase.bulk): a mostly queued project is rebuilt whole whatever its
+    size, each in a transaction of its own."""
     total = 0
     while True:
         with engine.begin() as conn:
-            taken = refresh(conn, REFRESH_BATCH)
+            taken = refresh(conn, REFRESH_BATCH, bulk)
         total += taken
-        if taken < REFRESH_BATCH:
+        # uncapped, a call may take one project's entries only: the queue is drained to the end
+        if taken == 0 or (taken < REFRESH_BATCH and not bulk):
             return total
 
 
-def refresh(conn: Connection, limit: int | None = None) -> int:
+def refresh(conn: Connection, limit: int | None = None, bulk: bool = False) -> int:
     """Bring ablations up to date with the runs queued so far, the first `limit` entries of the
-    queue when given; returns the entries taken. In the caller's transaction, for it to commit."""
+    queue when given; returns the entries taken. In the caller's transaction, for it to commit.
+    Projects mostly queued are rebuilt whole: up to WHOLE_REBUILD_MAX runs, or with `bulk` any
+    size, one project a call (a rebuild of a big project is a transaction of its own)."""
     if conn.execute(select(_QUEUE.c.id).limit(1)).first() is None:
         return 0                    # nothing queued: no lock taken (another writer may hold it)
     _lock(conn)
@@ -86,7 +91,14 @@ def refresh(conn: Connection, limit: int | None = None) -> int:
         return 0
     whole = {q.project for q in queued if q.run_id is None}
     runs = {q.run_id for q in queued if q.run_id is not None}
-    mostly_new, taken_with = _mostly_queued(conn, runs)
+    mostly_new, taken_with = _mostly_queued(conn, runs, None if bulk else WHOLE_REBUILD_MAX)
+    if bulk and mostly_new:
+        # one big project a transaction: the others' entries stay queued for the next call
+        project = min(mostly_new)
+        rebuild(conn, project)
+        taken = [q.id for q in queued if q.project == project] + taken_with[project]
+        _delete_entries(conn, taken)
+        return len(taken)
     whole |= mostly_new
     for project in sorted(whole):
         rebuild(conn, project)
@@ -94,32 +106,37 @@ def refresh(conn: Connection, limit: int | None = None) -> int:
         _Refresh(conn, whole).run(runs)
     # exactly the entries read: one queued meanwhile by a writer that committed after the read
     # (ids are not committed in order on Postgres) stays for the next refresh
-    for chunk in chunked(sorted({q.id for q in queued} | set(taken_with))):
-        conn.execute(delete(_QUEUE).where(_QUEUE.c.id.in_(chunk)))
+    _delete_entries(conn, [q.id for q in queued] + [i for p in sorted(mostly_new) for i in taken_with[p]])
     return len(queued)
 
 
-def _mostly_queued(conn: Connection, runs: set[str]) -> tuple[set[str], list[int]]:
+def _delete_entries(conn: Connection, ids: list[int]) -> None:
+    for chunk in chunked(sorted(set(ids))):
+        conn.execute(delete(_QUEUE).where(_QUEUE.c.id.in_(chunk)))
+
+
+def _mostly_queued(conn: Connection, runs: set[str], rebuild_max: int | None) -> tuple[set[str], dict[str, list[int]]]:
     """Projects of the queued runs that are mostly queued (a bulk load of a new project) and small
-    enough to rebuild in one transaction: a rebuild costs half what the incremental refresh of the
-    same runs does. Returns them and their other queue entries, which the rebuild covers too."""
+    enough to rebuild in one transaction (`rebuild_max` runs; None: any): a rebuild costs half what
+    the incremental refresh of the same runs does at a few thousand runs, a fifth at 100,000 in
+    dense sweeps. Returns them and, per project, its queue entries, which the rebuild covers too."""
     if not runs:
-        return set(), []
+        return set(), {}
     projects: set[str] = set()
     for chunk in chunked(sorted(runs)):
         projects |= set(conn.execute(select(_RUNS.c.project).where(_RUNS.c.id.in_(chunk)).distinct()).scalars())
     sizes = dict(conn.execute(select(_RUNS.c.project, func.count()).where(_RUNS.c.project.in_(sorted(projects)))
                               .group_by(_RUNS.c.project)).all())
-    small = sorted(p for p in projects if sizes.get(p, 0) <= WHOLE_REBUILD_MAX)
+    small = sorted(p for p in projects if rebuild_max is None or sizes.get(p, 0) <= rebuild_max)
     if not small:
-        return set(), []
+        return set(), {}
     pending = conn.execute(select(_QUEUE.c.id, _RUNS.c.project).join(_RUNS, _RUNS.c.id == _QUEUE.c.run_id)
                            .where(_RUNS.c.project.in_(small))).all()
     queued_in: dict[str, list[int]] = defaultdict(list)
     for entry_id, project in pending:
         queued_in[project].append(entry_id)
     chosen = {p for p in small if 2 * len(queued_in[p]) >= sizes[p]}
-    return chosen, [i for p in sorted(chosen) for i in queued_in[p]]
+    return chosen, {p: queued_in[p] for p in chosen}
 
 
 def rebuild(conn: Connection, project: str) -> list[dict]:

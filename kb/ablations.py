@@ -23,7 +23,7 @@ from collections import defaultdict
 from functools import lru_cache
 from json.encoder import encode_basestring_ascii
 
-from kb.fields import canonical, leaves
+from kb.fields import canonical
 from kb.models import utcnow
 
 SEED_KEYS = {"seed", "data_seed", "random_seed", "init_seed", "shuffle_seed"}
@@ -34,9 +34,21 @@ _MOD = 1 << 64
 
 
 def _signature(config: dict) -> dict[str, str]:
-    """Config leaves (seeds left out) as canonical key -> JSON text, so values compare exactly."""
-    return {_canonical(p): _json_text(v) for p, v in leaves(config)
-            if p and p[-1] not in SEED_KEYS and not isinstance(v, (dict, list))}
+    """Config leaves (seeds left out) as canonical key -> JSON text, so values compare exactly.
+    `kb.fields.leaves`' walk, appending as it goes (a refresh signs every run it reads)."""
+    sig: dict[str, str] = {}
+
+    def walk(value, path: tuple[str, ...]) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, path + (str(k),))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, path + (str(i),))
+        elif path and path[-1] not in SEED_KEYS:
+            sig[_canonical(path)] = _json_text(value)
+    walk(config, ())
+    return sig
 
 
 _canonical = lru_cache(maxsize=1 << 16)(canonical)    # the same paths in every run of a project

@@ -7,7 +7,9 @@ pays for them.
 from __future__ import annotations
 
 import logging
-from contextlib import closing
+import threading
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Iterable
 
@@ -35,6 +37,7 @@ class KnowledgeBase:
         self._index = None
         self._index_copy = None       # a read-only copy to search, when the index cannot be had
         self._embedder = None
+        self._bulk: dict[int, _BulkLoad] = {}     # thread -> its open `with k.bulk():` block
 
     @classmethod
     def open(cls, settings: Settings | None = None, **overrides) -> "KnowledgeBase":
@@ -128,16 +131,50 @@ class KnowledgeBase:
         from ingest.mlflow_live import LiveRuns
         return LiveRuns(self)
 
+    @contextmanager
+    def bulk(self):
+        """`with k.bulk(): ...` many ingest calls as one load: the ablation refresh, Postgres's
+        upkeep and the vector sync that each call would run are run once, at the end of the
+        block (also when it ends in an error: the runs written stay and get their ablations).
+
+        Inside the block runs are stored and queryable at once; their ablations (and the
+        `ablations.*` fields) appear at its end. The refresh there rebuilds each project that is
+        mostly new whole, one transaction a project, whatever its size: at 100,000 runs of dense
+        sweeps that costs about a fifth of refreshing the same runs call by call. On SQLite that
+        transaction holds the write lock while it runs (seconds for a project of 10,000 runs).
+        Calls from other threads sharing this KnowledgeBase (a server's) are not deferred."""
+        me = threading.get_ident()
+        if me in self._bulk:
+            yield self          # nested: the outer block does it
+            return
+        self._bulk[me] = pending = _BulkLoad()
+        try:
+            yield self
+        finally:
+            del self._bulk[me]
+            self._upkeep(pending.runs, pending.index, bulk=True)
+
     def _after_writes(self, report: IngestReport, index: bool) -> None:
-        from kb.ablation_store import refresh_all
         from kb.notes import drop_chunks_beyond
         for uri, n in report.note_chunks.items():
             with Session(self.engine) as s, s.begin():
                 drop_chunks_beyond(s, uri, n)      # a document that got shorter
-        refresh_all(self.engine)       # after the runs' commit; also what a crash left queued
-        if report.added + report.updated >= ANALYZE_AFTER:
-            maintain_after_bulk_load(self.engine, report.added + report.updated)
-        if index and (report.added or report.updated):
+        written = report.added + report.updated
+        pending = self._bulk.get(threading.get_ident())
+        if pending is not None:
+            pending.runs += written
+            pending.index |= bool(index and written)
+            return
+        self._upkeep(written, index and bool(written))
+
+    def _upkeep(self, written: int, index: bool, bulk: bool = False) -> None:
+        """What follows the runs' commit: their ablations (and what a crash left queued), the
+        tables' upkeep after many runs, the vector index."""
+        from kb.ablation_store import refresh_all
+        refresh_all(self.engine, bulk)
+        if written >= ANALYZE_AFTER:
+            maintain_after_bulk_load(self.engine, written)
+        if index:
             self.try_sync_index()
 
     # ---- reading -------------------------------------------------------------------------
@@ -500,6 +537,13 @@ class _LazyEmbedder:
 
     def encode(self, texts: list[str]):
         return self.kb.embedder.encode(texts)
+
+
+@dataclass
+class _BulkLoad:
+    """What a `bulk` block's ingest calls leave for its end."""
+    runs: int = 0           # written (added or updated)
+    index: bool = False     # a call asked for the vector sync
 
 
 def _no_tick(source: str) -> None:

@@ -309,3 +309,72 @@ def test_a_run_joining_one_ablation_leaves_its_members_other_fields_alone(kb, tm
     assert before == after and before
     assert {a["factor"] for a in kb.run("l2").ablations} == {"config.optim.lr"}
     assert _state(kb, "p") == _rebuilt(kb, "p")
+
+
+# ---- KnowledgeBase.bulk: many calls, one refresh -------------------------------------------------
+
+def _sweep(prefix: str, n: int, project: str = "p") -> list[dict]:
+    return [run(f"{prefix}{i}", 3.0 - i / 100, lr=[1e-4, 3e-4, 1e-3][i % 3], seed=i // 3,
+                norm=["layernorm", "rmsnorm"][i % 2], project=project) for i in range(n)]
+
+
+def _pending(kb) -> int:
+    with kb.engine.connect() as conn:
+        return conn.execute(text("SELECT count(*) FROM ablationpending")).scalar()
+
+
+def test_a_bulk_block_refreshes_ablations_once_at_its_end(kb, monkeypatch):
+    """Inside the block runs are stored and found, their ablations wait; at its end each mostly
+    new project is rebuilt whole in a transaction of its own, whatever its size (the cap is set
+    to 1 here), and the store equals a recomputation from scratch."""
+    import kb.ablation_store as store
+    monkeypatch.setattr(store, "WHOLE_REBUILD_MAX", 1)
+    rebuilt, calls = [], [0]          # (project, the refresh call, i.e. transaction, it was in)
+    real_rebuild, real_refresh = store.rebuild, store.refresh
+    monkeypatch.setattr(store, "rebuild", lambda conn, p: rebuilt.append((p, calls[0])) or real_rebuild(conn, p))
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real_refresh(*args, **kwargs)
+    monkeypatch.setattr(store, "refresh", counted)
+    kb.ingest_records(_sweep("old", 3), index=False)              # one call: refreshed at once
+    assert kb.run("old0").ablations and _pending(kb) == 0
+    rebuilt.clear()
+    with kb.bulk():
+        kb.ingest_records(_sweep("a", 6), index=False)
+        kb.ingest_records(_sweep("b", 6) + _sweep("q", 4, project="q"), index=False)
+        assert {r.id for r in kb.runs(where="config.optim.lr = 0.0003")} >= {"a1", "b1", "b4"}
+        assert kb.run("a1").ablations == [] and _pending(kb) == 16
+    assert _pending(kb) == 0
+    # each whole (15 of p's 18 runs are new), each in a refresh transaction of its own
+    assert [p for p, _ in rebuilt] == ["p", "q"] and rebuilt[0][1] != rebuilt[1][1]
+    for project in ("p", "q"):
+        state = _state(kb, project)
+        assert state["ablations"] and state == _rebuilt(kb, project)
+
+
+def test_a_bulk_block_that_fails_still_refreshes_what_it_wrote(kb):
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with kb.bulk():
+            kb.ingest_records(_sweep("a", 6), index=False)
+            with kb.bulk():                         # nested: the outer block's end does it
+                kb.ingest_records(_sweep("b", 3), index=False)
+            assert _pending(kb) == 9
+            raise RuntimeError("interrupted")
+    assert _pending(kb) == 0 and kb.run("b1").ablations
+    assert _state(kb, "p") == _rebuilt(kb, "p")
+
+
+def test_a_bulk_block_defers_only_its_own_thread_s_calls(kb):
+    import threading
+    with kb.bulk():
+        kb.ingest_records(_sweep("a", 3), index=False)
+        other = threading.Thread(target=kb.ingest_records, args=(_sweep("t", 3, project="t"),),
+                                 kwargs={"index": False})
+        other.start()
+        other.join()
+        # the other thread's call refreshed the queue as it ended: this block's runs with it
+        assert _pending(kb) == 0 and kb.run("t0").ablations
+        kb.ingest_records(_sweep("b", 3), index=False)
+        assert _pending(kb) == 3
+    assert _pending(kb) == 0 and _state(kb, "p") == _rebuilt(kb, "p")
