@@ -464,7 +464,8 @@ def run_benchmark(args, tmp: Path) -> dict:
                         "repeats": args.repeats, "real_cards": args.real_cards, "cpus": os.cpu_count(),
                         "load_average_at_start": round(os.getloadavg()[0], 2)},
               "measured": (f"ingest through KnowledgeBase.ingest_records(index=False), {args.batch} runs a call"
-                           + (", each size's calls in one KnowledgeBase.bulk() block, its end timed too" if args.bulk else "")
+                           + (", each size's calls in one KnowledgeBase.bulk() block, its end timed too"
+                              if args.bulk else "")
                            + "; runs: k.runs(where, "
                            "sort='summary.val/loss', limit=20) in process; retrieval: Retriever.retrieve(k=8) over "
                            f"an index of every run card, failure and ablation, the first {args.real_cards} embedded "

@@ -118,8 +118,8 @@ def _delete_entries(conn: Connection, ids: list[int]) -> None:
 def _mostly_queued(conn: Connection, runs: set[str], rebuild_max: int | None) -> tuple[set[str], dict[str, list[int]]]:
     """Projects of the queued runs that are mostly queued (a bulk load of a new project) and small
     enough to rebuild in one transaction (`rebuild_max` runs; None: any): a rebuild costs half what
-    the incremental refresh of the same runs does at a few thousand runs, a fifth at 100,000 in
-    dense sweeps. Returns them and, per project, its queue entries, which the rebuild covers too."""
+    the incremental refresh of the same runs does at a few thousand runs. Returns them and, per
+    project, its queue entries, which the rebuild covers too."""
     if not runs:
         return set(), {}
     projects: set[str] = set()

@@ -301,11 +301,12 @@ def test_a_run_joining_one_ablation_leaves_its_members_other_fields_alone(kb, tm
     other names stay as they were, and the store still equals a recomputation from scratch."""
     base = [run("b", 3.0), run("n", 2.9, norm="rmsnorm"), run("l", 2.8, lr=1e-3)]
     ingest(kb, tmp_path, base)
+    norm_fields = text("SELECT key, text FROM runfield WHERE run_id = 'b' AND key LIKE 'ablations.norm.%'")
     with kb.engine.connect() as conn:
-        before = dict(conn.execute(text("SELECT key, text FROM runfield WHERE run_id = 'b' AND key LIKE 'ablations.norm.%'")).all())
+        before = dict(conn.execute(norm_fields).all())
     ingest(kb, tmp_path, [run("l2", 2.7, lr=3e-3)])          # joins b's lr ablation only
     with kb.engine.connect() as conn:
-        after = dict(conn.execute(text("SELECT key, text FROM runfield WHERE run_id = 'b' AND key LIKE 'ablations.norm.%'")).all())
+        after = dict(conn.execute(norm_fields).all())
     assert before == after and before
     assert {a["factor"] for a in kb.run("l2").ablations} == {"config.optim.lr"}
     assert _state(kb, "p") == _rebuilt(kb, "p")
