@@ -35,7 +35,9 @@ _MOD = 1 << 64
 
 def _signature(config: dict) -> dict[str, str]:
     """Config leaves (seeds left out) as canonical key -> JSON text, so values compare exactly.
-    `kb.fields.leaves`' walk, appending as it goes (a refresh signs every run it reads)."""
+    `kb.fields.leaves`' walk, appending as it goes (a refresh signs every run it reads); the
+    same lines as `kb.fields.field_tuples`' walk, kept apart: a shared walk calling back per
+    leaf made the writer's field rows a third slower."""
     sig: dict[str, str] = {}
 
     def walk(value, path: tuple[str, ...]) -> None:
