@@ -360,13 +360,14 @@ def _replace(conn: Connection, old: set[str], new: list[dict], touched: set[str]
         conn.execute(delete(_ABL).where(_ABL.c.id.in_(chunk)))
     if new:
         conn.execute(insert(_ABL), new)
-    links = sorted({(rid, a["id"]) for a in new for v in a["variants"] for rid in v["runs"]})
-    bulk_insert(conn, "ablationrun", ("run_id", "ablation_id"), links)
+    links: set[tuple[str, str]] = set()
     for a in new:
         name = name_of(a["factor"])
         for v in a["variants"]:
             for rid in v["runs"]:
+                links.add((rid, a["id"]))
                 names[rid].add(name)
+    bulk_insert(conn, "ablationrun", ("run_id", "ablation_id"), sorted(links))
     for rid in touched:
         names.pop(rid, None)
     stored = _stored_fields(conn, touched, names)
