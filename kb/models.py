@@ -19,6 +19,10 @@ from kb.vocab import canonical_view
 JSONType = JSON()
 
 
+# bytes of the longest string value Postgres's (key, vtype, text) index holds (migration 0016)
+TEXT_INDEXED = 1000
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -109,17 +113,19 @@ class RunField(SQLModel, table=True):
         # (migration 0012)
         Index("ix_runfield_key_num", "key", "vtype", "num", postgresql_include=["run_id"]),
         # string tests only: a NULL text never matches one, and most leaves are numbers. On
-        # Postgres a hash index instead: a btree row holds at most 2,704 bytes there, and a 1 MB
-        # config string must go in; equality finds it either way, and string order there is
-        # COLLATE "C", which a btree in the database's collation never served (migration 0006)
+        # Postgres a btree row holds at most 2,704 bytes and a 1 MB config string must go in, so
+        # there it holds the values of at most TEXT_INDEXED bytes (kb.query_sql.short_text says a
+        # query's value is one of them; migration 0016), with the run id along as above
         only_on("sqlite", Index("ix_runfield_key_text", "key", "vtype", "text",
                                 sqlite_where=sql_text("text IS NOT NULL"))),
-        only_on("postgresql", Index("ix_runfield_text_hash", "text", postgresql_using="hash",
-                                    postgresql_where=sql_text("text IS NOT NULL"))),
+        only_on("postgresql", Index("ix_runfield_key_short_text", "key", "vtype", "text", postgresql_include=["run_id"],
+                                    postgresql_where=sql_text(f"text IS NOT NULL AND octet_length(text) <= {TEXT_INDEXED}"))),
         Index("ix_runfield_run_id", "run_id"),
         {"sqlite_with_rowid": False},
     )
-    run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
+    # no foreign key: the store writes these rows with their run, and a check per row (~100 a
+    # run) cost ~20% of a Postgres ingest (migration 0015; ablationsig and ablationrun alike)
+    run_id: str = Field(primary_key=True)
     key: str = Field(primary_key=True)
     vtype: str = Field(max_length=1)          # n number, s string, b bool, z null, l list/dict
     num: float | None = Field(default=None, sa_column=Column(Float))
@@ -180,15 +186,16 @@ class AblationSig(SQLModel, table=True):
     up here, never by comparing configs; clustered by bucket on SQLite (migration 0007)."""
     __table_args__ = (Index("ix_ablationsig_run_id", "run_id"), {"sqlite_with_rowid": False})
     bucket: int = Field(sa_column=Column(BigInteger, primary_key=True))
-    run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
+    run_id: str = Field(primary_key=True)      # no foreign key: see RunField
     slot: int = Field(primary_key=True)       # 0 the whole config, i the config without its i-th key
     key: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))   # the key left out
 
 
 class AblationRun(SQLModel, table=True):
-    """The runs each ablation holds: where a changed run's old ablations are found."""
-    run_id: str = Field(primary_key=True, foreign_key="run.id", ondelete="CASCADE")
-    ablation_id: str = Field(primary_key=True, foreign_key="ablation.id", ondelete="CASCADE", index=True)
+    """The runs each ablation holds: where a changed run's old ablations are found. Written and
+    deleted with its ablation by the refresh alone, so without foreign keys (see RunField)."""
+    run_id: str = Field(primary_key=True)
+    ablation_id: str = Field(primary_key=True, index=True)
 
 
 class AblationPending(SQLModel, table=True):

@@ -20,7 +20,7 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.sqltypes import NullType
 
 from kb.fields import canonical
-from kb.models import Run, RunField
+from kb.models import TEXT_INDEXED, Run, RunField
 from kb.query import (COLUMNS, OPS, ORDERING, And, Compare, Exists, In, Literal, Node, Not, Or, _as_time,
                       _literal_type, parse, parse_sort, render)
 
@@ -45,6 +45,30 @@ def _codepoint_default(element, compiler, **kw):
 @compiles(codepoint, "postgresql")
 def _codepoint_postgres(element, compiler, **kw):
     return f'{compiler.process(element.clauses, **kw)} COLLATE "C"'
+
+
+class short_text(FunctionElement):
+    """True of a string column's value that Postgres's (key, vtype, text) index holds (at most
+    TEXT_INDEXED bytes, kb.models), written beside an equality with a value that short: the
+    planner uses a partial index only when the query's own conditions imply its predicate.
+    SQLite's index holds every string: `IS NOT NULL`, which the equality implies anyway."""
+    inherit_cache = True
+    name = "short_text"
+    type = NullType()       # as `driving`: no `= 1` after it on SQLite
+
+
+@compiles(short_text)
+def _short_text_default(element, compiler, **kw):
+    return f"{compiler.process(element.clauses, **kw)} IS NOT NULL"
+
+
+@compiles(short_text, "postgresql")
+def _short_text_postgres(element, compiler, **kw):
+    return f"octet_length({compiler.process(element.clauses, **kw)}) <= {TEXT_INDEXED}"
+
+
+def _indexed(s: str) -> bool:
+    return len(s.encode("utf-8", "surrogatepass")) <= TEXT_INDEXED
 
 
 class driving(FunctionElement):
@@ -195,6 +219,8 @@ def _field_compare(op: str, lit: Literal, f, mark=_same) -> ColumnElement[bool]:
         return and_(f.vtype == "b", mark(OPS[op](f.num, 1.0 if lit else 0.0)))
     if isinstance(lit, str):
         text = codepoint(f.text) if op in ORDERING else f.text
+        if op == "=" and _indexed(lit):
+            return and_(f.vtype == "s", mark(text == lit), short_text(f.text))
         return and_(f.vtype == "s", mark(OPS[op](text, lit)))
     return and_(f.vtype == "n", mark(OPS[op](f.num, float(lit))))
 
@@ -206,8 +232,11 @@ def _field_in(values: tuple[Literal, ...], f, mark=_same) -> ColumnElement[bool]
     conds = []
     if nums:
         conds.append(and_(f.vtype == "n", mark(f.num.in_(nums))))
-    if strs:
-        conds.append(and_(f.vtype == "s", mark(f.text.in_(strs))))
+    short = [v for v in strs if _indexed(v)]
+    if short:
+        conds.append(and_(f.vtype == "s", mark(f.text.in_(short)), short_text(f.text)))
+    if len(short) < len(strs):
+        conds.append(and_(f.vtype == "s", mark(f.text.in_([v for v in strs if not _indexed(v)]))))
     if bools:
         conds.append(and_(f.vtype == "b", mark(f.num.in_(bools))))
     if None in values:

@@ -30,7 +30,7 @@ INT64 = 2**63 - 1
 # ---- limits: the same on SQLite and Postgres (README, "Limits") ------------------------------
 # Names and key paths sit in btree index rows, which Postgres caps at 2,704 bytes; a character
 # takes up to 4 bytes in UTF-8, so a key path and a run id together stay under 2,400 bytes.
-# String values are not in any btree on Postgres (a hash index finds them), so they may be long.
+# String values are in a btree on Postgres only up to kb.models.TEXT_INDEXED bytes, so they may be long.
 MAX_NAME = 200              # characters: id, project, parent, hypothesis, a tag, a metric name
 MAX_KEY = 400               # characters: a stored key path as queries spell it (`config.optim.lr`)
 MAX_TEXT = 16 * 2**20       # characters: any one string

@@ -19,7 +19,7 @@ from sqlmodel import Session
 from kb import curves, series, vocab
 from kb.ablation_store import ABLATION_FIELDS, queue_runs
 from kb.cards import run_card
-from kb.db import bulk_insert
+from kb.db import bulk_insert, insert_dicts
 from kb.fields import FIELD_COLUMNS, field_tuples
 from kb.indexer import queue_refs
 from kb.models import (Ablation, Anomaly, Failure, MetricSeries, Run, RunField, RunPublic,
@@ -158,9 +158,8 @@ def write_prepared(conn: Connection, runs: list[PreparedRun]) -> list[Outcome]:
         write.append(r)
     if not write:
         return outcomes
-    # Core statements, not the ORM: a unit-of-work flush per run cost more than its curve inserts
-    if new:
-        conn.execute(_RUNS.insert(), new)
+    # straight to the driver, not the ORM: a unit-of-work flush per run cost more than its curve inserts
+    insert_dicts(conn, _RUNS, new)
     _bulk(conn, RunField, [t for r in write for t in r.fields], columns=FIELD_COLUMNS)
     _bulk(conn, MetricSeries, [t for r in write for t in r.series], columns=SERIES_COLUMNS)
     _bulk(conn, Failure, [{"run_id": r.id, **f} for r in write for f in r.failures])

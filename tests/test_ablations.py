@@ -173,7 +173,7 @@ def test_incremental_refresh_equals_recomputation(kb, history, rebuild_max, monk
     import kb.ablation_store as store
     monkeypatch.setattr(store, "WHOLE_REBUILD_MAX", rebuild_max)    # 0: never rebuilt whole
     with kb.engine.begin() as conn:          # one database for every example: start each empty
-        for table in ("ablationrun", "ablation", "ablationsig", "ablationpending", "run"):
+        for table in ("ablationrun", "ablation", "ablationsig", "ablationpending", "runfield", "run"):
             conn.execute(text(f"DELETE FROM {table}"))
     latest: dict[str, dict] = {}
     for batch in history:

@@ -103,3 +103,45 @@ def test_postgres_runfield_key_num_index_carries_the_run_id(engine):
         definition = conn.execute(text("SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_runfield_key_num' "
                                        "AND schemaname = current_schema()")).scalar_one()
     assert definition.endswith("(key, vtype, num) INCLUDE (run_id)")
+
+
+DERIVED = ("runfield", "ablationsig", "ablationrun")
+
+
+def _derived_state(conn) -> dict:
+    from sqlalchemy import inspect
+    rows = {t: sorted(map(tuple, conn.execute(text(f"select * from {t}")))) for t in DERIVED}
+    fks = {t: sorted(fk["referred_table"] for fk in inspect(conn).get_foreign_keys(t)) for t in DERIVED}
+    return {"rows": rows, "fks": fks}
+
+
+def test_derived_rows_survive_migration_0015_both_ways(kb):
+    """0015 dropped the foreign keys of runfield, ablationsig and ablationrun (SQLite rebuilds the
+    tables): every row stays through the downgrade and the upgrade, the keys come and go, and a
+    query and an ablation refresh still work on the result."""
+    from alembic import command
+    runs = [{"project": "p", "name": f"lr{lr}-s{seed}", "config": {"lr": lr, "seed": seed},
+             "metrics": {"val/loss": [[0, 4.0], [100, 3.0 + lr * 100 + seed / 100]]}}
+            for lr in (1e-3, 3e-3) for seed in (0, 1)]
+    kb.ingest_records(runs, index=False)
+    with kb.engine.connect() as conn:
+        before = _derived_state(conn)
+    assert all(before["rows"].values()) and before["fks"] == {t: [] for t in DERIVED}
+    cfg = _config()
+    with kb.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0014")
+    with kb.engine.connect() as conn:
+        down = _derived_state(conn)
+    assert down["rows"] == before["rows"]
+    assert down["fks"] == {"runfield": ["run"], "ablationsig": ["run"], "ablationrun": ["ablation", "run"]}
+    with kb.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+    with kb.engine.connect() as conn:
+        assert _derived_state(conn) == before
+    assert [r.name for r in kb.runs(where="config.lr = 0.001", sort="summary.val/loss")] == ["lr0.001-s0", "lr0.001-s1"]
+    (run_id,) = kb.ingest_records([{"project": "p", "name": "lr0.01-s0", "config": {"lr": 1e-2, "seed": 0},
+                                    "metrics": {"val/loss": [[0, 4.0], [100, 4.5]]}}], index=False).ids
+    lr = [a for a in kb.run(run_id).ablations if a["factor"] == "config.lr"]
+    assert len(lr) == 1 and len(lr[0]["variants"]) == 3     # the seed-0 runs at three lrs

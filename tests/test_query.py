@@ -623,3 +623,42 @@ def test_the_sort_order_walk_gives_the_first_of_the_order(kb, budget, monkeypatc
                     walked += qs.walk_ids(conn, where, spec, limit) is not None
     qs._walk.cache_clear()
     assert walked > (20 if budget == 500 else 0)         # the walk answered, not only the fallback
+
+
+def test_string_values_long_and_short_are_found_alike(kb):
+    """Postgres's (key, vtype, text) index holds values of at most TEXT_INDEXED bytes (migration
+    0016); an equality with a value on either side of that finds its runs, in an `in` list too."""
+    from kb.models import TEXT_INDEXED
+    long = "x" * (TEXT_INDEXED - 1) + "é"           # one byte past the limit, in UTF-8
+    edge = "y" * TEXT_INDEXED
+    kb.ingest_records([{"id": f"s{i}", "project": "p", "config": {"mix": v}}
+                       for i, v in enumerate(["web", long, edge, "web", long[:-1]])], index=False)
+
+    def ids(where):
+        return sorted(r.id for r in kb.runs(where=where))
+    assert ids("config.mix = 'web'") == ["s0", "s3"]
+    assert ids(f"config.mix = '{long}'") == ["s1"]
+    assert ids(f"config.mix = '{edge}'") == ["s2"]
+    assert ids(f"config.mix in ('web', '{long}')") == ["s0", "s1", "s3"]
+    assert ids(f"config.mix in ('{long}', '{long[:-1]}')") == ["s1", "s4"]
+    assert ids(f"config.mix != '{long}'") == ["s0", "s2", "s3", "s4"]
+
+
+def test_postgres_string_equality_can_use_the_short_text_index(kb):
+    """A query's string equality implies the partial index's predicate, so the planner may use
+    it: with every other way to the rows gone (in a transaction rolled back), it does."""
+    if kb.engine.dialect.name != "postgresql":
+        pytest.skip("Postgres's partial btree; SQLite's index holds every string")
+    from sqlalchemy import text
+    kb.ingest_records([{"id": f"s{i}", "project": "p", "config": {"mix": "web" if i % 2 else "code"}}
+                       for i in range(20)], index=False)
+    with kb.engine.connect() as conn:
+        conn.execute(text("ALTER TABLE runfield DROP CONSTRAINT runfield_pkey"))
+        conn.execute(text("DROP INDEX ix_runfield_key_num"))
+        conn.execute(text("DROP INDEX ix_runfield_run_id"))
+        conn.execute(text("SET LOCAL enable_seqscan = off"))
+        for where in ("config.mix = 'web'", "config.mix in ('web', 'math')"):
+            sql = str(apply_query(select(Run.id), where).compile(conn, compile_kwargs={"literal_binds": True}))
+            plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + sql).scalars())
+            assert "ix_runfield_key_short_text" in plan, plan
+        conn.rollback()
