@@ -27,7 +27,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from kb.ablations import (RUN_FIELDS, TAG, Config, bucket_ablations, covered_by, find_ablations, group_runs, name_of,
                           run_fields, signed, tag_ablation, tagged_factors)
-from kb.db import bulk_insert, chunked
+from kb.db import bulk_insert, chunked, insert_dicts
 from kb.fields import FIELD_COLUMNS, canonical, field_tuples
 from kb.indexer import queue_refs
 from kb.models import Ablation, AblationPending, AblationRun, AblationSig, Run, RunField
@@ -358,8 +358,7 @@ def _replace(conn: Connection, old: set[str], new: list[dict], touched: set[str]
             names[rid].add(name_of(factor))
         conn.execute(delete(_MEMBER).where(_MEMBER.c.ablation_id.in_(chunk)))
         conn.execute(delete(_ABL).where(_ABL.c.id.in_(chunk)))
-    if new:
-        conn.execute(insert(_ABL), new)
+    insert_dicts(conn, _ABL, new)       # every column given (kb.ablations._build)
     links: set[tuple[str, str]] = set()
     for a in new:
         name = name_of(a["factor"])
