@@ -160,10 +160,10 @@ def write_prepared(conn: Connection, runs: list[PreparedRun]) -> list[Outcome]:
         return outcomes
     # straight to the driver, not the ORM: a unit-of-work flush per run cost more than its curve inserts
     insert_dicts(conn, _RUNS, new)
-    _bulk(conn, RunField, [t for r in write for t in r.fields], columns=FIELD_COLUMNS)
-    _bulk(conn, MetricSeries, [t for r in write for t in r.series], columns=SERIES_COLUMNS)
-    _bulk(conn, Failure, [{"run_id": r.id, **f} for r in write for f in r.failures])
-    _bulk(conn, Anomaly, [{"run_id": r.id, **a} for r in write for a in r.anomalies])
+    bulk_insert(conn, RunField.__tablename__, FIELD_COLUMNS, [t for r in write for t in r.fields])
+    bulk_insert(conn, MetricSeries.__tablename__, SERIES_COLUMNS, [t for r in write for t in r.series])
+    insert_dicts(conn, Failure.__table__, [{"run_id": r.id, **f} for r in write for f in r.failures])
+    insert_dicts(conn, Anomaly.__table__, [{"run_id": r.id, **a} for r in write for a in r.anomalies])
     queue_refs(conn, "run", [r.id for r in write])
     queue_runs(conn, [r.id for r in write])       # their ablations: kb.ablation_store.refresh, after the commit
     return outcomes
@@ -201,14 +201,6 @@ def _failures(record: RunRecord, metrics: "dict | curves.Curves") -> list[dict]:
             out.append({"kind": found["kind"], "step": found.get("step"), "message": found.get("message", ""),
                         "evidence": found.get("evidence", ""), "origin": "curve"})
     return out
-
-
-def _bulk(conn: Connection, model, rows: list, columns: tuple[str, ...] | None = None) -> None:
-    """bulk_insert of tuples in `columns` order, or of dicts alike in their keys."""
-    if rows and columns is None:
-        columns = tuple(rows[0])
-        rows = [tuple(r[c] for c in columns) for r in rows]
-    bulk_insert(conn, model.__tablename__, columns, rows)
 
 
 def _int(v):

@@ -133,14 +133,14 @@ def test_failed_write_leaves_the_store_as_it_was(kb, tmp_path, monkeypatch):
     kb.ingest(str(write_jsonl(tmp_path / "a.jsonl", [dict(RECORD, id="before")])), index=False)
     before = store_state(kb)
     import kb.runs as runs_mod
-    real_bulk = runs_mod._bulk
+    real_bulk = runs_mod.bulk_insert
 
-    def failing_bulk(session, model, rows, columns=None):
-        if model is MetricSeries:
+    def failing_bulk(conn, table, columns, rows):
+        if table == MetricSeries.__tablename__:
             raise RuntimeError("disk full")
-        real_bulk(session, model, rows, columns)
+        real_bulk(conn, table, columns, rows)
 
-    monkeypatch.setattr(runs_mod, "_bulk", failing_bulk)
+    monkeypatch.setattr(runs_mod, "bulk_insert", failing_bulk)
     with pytest.raises(RuntimeError):
         kb.ingest(str(write_jsonl(tmp_path / "b.jsonl", [dict(RECORD, id="after")])), index=False)
     assert store_state(kb) == before
@@ -156,14 +156,14 @@ def _rows_of(kb, run_id):
 def fail_curves_of(monkeypatch, run_id: str, error: Exception) -> None:
     """The write of run_id's curves raises `error` (after its run row went in), in groups or alone."""
     import kb.runs as runs_mod
-    real_bulk = runs_mod._bulk
+    real_bulk = runs_mod.bulk_insert
 
-    def failing_bulk(conn, model, rows, columns=None):
-        if model is MetricSeries and any(r[0] == run_id for r in rows):
+    def failing_bulk(conn, table, columns, rows):
+        if table == MetricSeries.__tablename__ and any(r[0] == run_id for r in rows):
             raise error
-        real_bulk(conn, model, rows, columns)
+        real_bulk(conn, table, columns, rows)
 
-    monkeypatch.setattr(runs_mod, "_bulk", failing_bulk)
+    monkeypatch.setattr(runs_mod, "bulk_insert", failing_bulk)
 
 
 def test_a_failing_run_rolls_back_alone_inside_its_batch(kb, tmp_path, monkeypatch):
