@@ -12,6 +12,8 @@ Artifacts, models, traces and search are not served.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,12 +94,12 @@ class UpdateRun(RunMessage):
 # ---- experiments ------------------------------------------------------------------------------------
 
 @router.get("/experiments/get-by-name")
-def get_experiment_by_name(request: Request, experiment_name: Text = Query(...)):
+def get_experiment_by_name(request: Request, experiment_name: Annotated[Text, Query()]):
     return {"experiment": _experiment(_live(request).experiment_by_name(experiment_name))}
 
 
 @router.get("/experiments/get")
-def get_experiment(request: Request, experiment_id: str = Query(...)):
+def get_experiment(request: Request, experiment_id: Annotated[Text, Query()]):
     return {"experiment": _experiment(_live(request).experiment(experiment_id))}
 
 
@@ -153,7 +155,7 @@ def log_batch(request: Request, body: LogBatch):
 
 
 @router.get("/metrics/get-history")
-def get_metric_history(request: Request, metric_key: Text = Query(...), run_id: Text | None = Query(None),
+def get_metric_history(request: Request, metric_key: Annotated[Text, Query()], run_id: Text | None = Query(None),
                        run_uuid: Text | None = Query(None)):
     points = _live(request).history(RunMessage(run_id=run_id, run_uuid=run_uuid).run, metric_key)
     return {"metrics": [{"key": metric_key, "value": v, "timestamp": ts, "step": step} for v, ts, step in points]}
