@@ -21,6 +21,7 @@ import gc
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import threading
 import traceback
@@ -37,6 +38,7 @@ MIN_BYTES = 4 * 2**20       # below this a worker's start (~30 ms) and the pipe 
 CHUNK_RUNS = 32             # runs per message
 QUEUE_CHUNKS = 8            # messages waiting per worker: memory stays bounded when the writer lags
 POLL_S = 1.0                # how often a waiting writer checks that its worker is still alive
+END_S = 10.0                # how long a worker told to stop gets before it is killed
 # a run's reading and preparing costs ~2x its writing (measured here), so past a few workers
 # the one writer is the bottleneck and more would only hold memory
 DEFAULT_MAX = 4
@@ -144,7 +146,13 @@ def run(reads: list, workers: int, options: dict, project: str | None) -> Iterat
         for p in procs:
             if p.is_alive():
                 p.terminate()
-            p.join()
+        for p in procs:
+            # a worker blocked for good (a SIGTERM handler it should not have had kept one alive,
+            # stuck at exit, and this join waited forever in CI) is killed, never waited on
+            p.join(END_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
         for q in queues:
             q.close()
 
@@ -167,6 +175,10 @@ def _next(q, proc) -> tuple[bool, list[Outcome]]:
 
 
 def _work(tasks: list[Task], q, options: dict, project: str | None) -> None:
+    # the fork copied the caller's signal handlers (kb serve ignores SIGTERM while it serves, a
+    # tracked run forwards it): a worker ends on the writer's terminate(), as a worker should
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_DFL)
     try:
         for task in tasks:
             chunk: list[Outcome] = []

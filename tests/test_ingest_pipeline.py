@@ -265,3 +265,23 @@ def test_small_inputs_and_busy_processes_read_in_line(tmp_path, monkeypatch):
     assert pipeline.worth_it(reads, 8) == 8                     # unless asked
     monkeypatch.setattr(pipeline, "_threads_in_the_way", lambda: True)
     assert pipeline.worth_it(reads, None) == 0                  # a fork would copy another thread mid-step
+
+
+def test_a_writer_that_stops_early_ends_its_workers_whatever_sigterm_does_here(tmp_path):
+    """The writer stops reading while its worker is blocked on a full queue: terminate() must end
+    the worker though this process ignores SIGTERM (as kb serve does while it serves, and as a
+    handler a test left behind did in CI, where the join then waited forever)."""
+    import signal
+    import time
+    path = write_jsonl(tmp_path / "runs.jsonl", sweep_lines(2000))       # far more than the queue holds
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        outcomes = pipeline.run(resolve(str(path)).reads, 1, {}, None)
+        next(outcomes)
+        time.sleep(0.5)                   # the worker fills its queue and blocks on the next put
+        started = time.monotonic()
+        outcomes.close()                  # the writer's finally: terminate, join
+        assert time.monotonic() - started < pipeline.END_S      # ended by SIGTERM, not killed after the wait
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not pipeline.multiprocessing.active_children()
