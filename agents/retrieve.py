@@ -56,7 +56,7 @@ class Retriever:
 
     def vocabulary(self) -> set[str] | dict:
         """Every token some record holds (the keyword index's vocabulary)."""
-        return getattr(self.sparse.model, "vocab_dict", None) or {}
+        return self.sparse.vocab
 
     def retrieve(self, question: str, k: int = 8, *, where: str | None = None, project: str | None = None,
                  kinds: set[str] | None = None, depth: int = 30) -> list[Retrieved]:

@@ -1,5 +1,5 @@
 """Retrieval alone (no LLM): the agent's hybrid Retriever at 10,000 and 100,000 indexed chunks on
-the embedded default (SQLite + qdrant-edge + bm25s). Target: p50 <= 50 ms at 100,000.
+the embedded default (SQLite + qdrant-edge + the BM25 keyword index). Target: p50 <= 50 ms at 100,000.
 
     python benchmarks/retrieval_speed.py                       # 10,000 and 100,000
     python benchmarks/retrieval_speed.py --plan ci --sizes 5000 --synth-runs 100 --queries 30   # a quick look

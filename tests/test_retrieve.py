@@ -3,6 +3,8 @@ Qdrant and MiniLM): a run the question names leads by its id or its name, and th
 tokens treat numbers and compounds as people write them."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agents.sparse import tokens
@@ -31,3 +33,39 @@ def test_a_run_named_in_the_question_leads_by_id_or_by_name(kb):
     by_id = retriever.retrieve("compare r003 with r001", k=4)
     assert [h.key for h in by_id[:2]] == ["run:r003", "run:r001"]
     assert all(h.via.get("link") is None for h in retriever.retrieve("which lr was best?", k=4))
+
+
+QUESTIONS = ["why did the 1.3B runs at lr 3e-3 diverge?", "rmsnorm warmup warmup", "lr 0.0003 val/loss",
+             "nccl_timeout on node 7", "zzzz unknown words only", "the and of"]
+
+
+@pytest.mark.slow
+def test_the_keyword_index_scores_as_bm25s_does_and_reads_back_the_same(kb, tmp_path):
+    """The index is built here, not by bm25s (agents/sparse.py says why), to bm25s's scores: on
+    the demo history's chunks, a chunk with no token, and questions with a repeated token, a
+    number, an unknown word; then saved and opened from disk."""
+    import bm25s
+    import numpy as np
+    from agents.corpus import all_chunks
+    from agents.sparse import SparseIndex, signature
+    from kb.record_texts import RecordText
+    history = Path(__file__).resolve().parents[1] / "kb" / "demo_history"
+    report = kb.ingest(str(history / "runs.jsonl"), index=False)
+    assert report.added >= 20 and kb.ingest(str(history / "notes"), index=False).added
+    chunks = list(all_chunks(kb.engine)) + [RecordText("note", "stop-words-only", "The and of", "p")]
+    ours = SparseIndex.build(chunks, signature(kb.engine))
+    reference = bm25s.BM25()
+    reference.index([tokens(c.text) or ["<empty>"] for c in chunks], show_progress=False)
+    assert set(ours.vocab) == set(reference.vocab_dict) - {""}      # bm25s adds an empty token
+    for q in QUESTIONS:
+        if tokens(q):           # bm25s refuses a query of no token; ours scores it zero everywhere
+            np.testing.assert_allclose(ours.scores(tokens(q)), reference.get_scores(tokens(q)), rtol=1e-5, atol=1e-6)
+        else:
+            assert not ours.scores(tokens(q)).any() and ours.search(q, 3) == []
+    assert ours.search("diverged", 3) and not ours.search("zzzz", 3)
+    folder = tmp_path / "bm25"
+    ours.save(folder)
+    back = SparseIndex.open(kb.engine, folder)          # same signature: read from disk, not rebuilt
+    assert back.keys == ours.keys and back.vocab == ours.vocab
+    for q in QUESTIONS:
+        assert back.search(q, 10) == ours.search(q, 10)
