@@ -15,7 +15,10 @@ each, interleaved so the machine's drift weighs on both alike:
   before), the incumbent.
 
 The medians are printed with their ratio, and the two indexes' scores compared on a few questions
-(equal within float32 rounding, or the run fails).
+(equal within float32 rounding, or the run fails). Then the index is opened as a question would
+(`SparseIndex.open`: built and saved), --more runs are loaded, and it is opened again: the rebuild
+after an ingest, which reads every chunk but tokenizes only new and changed ones, timed against a
+build from scratch of the same chunks (their scores compared too).
 """
 from __future__ import annotations
 
@@ -42,12 +45,13 @@ QUESTIONS = ("why did the 1.3B runs at lr 3e-3 diverge?", "runs with rmsnorm and
              "out of memory failures at batch size 1024", "batch_size ablation at 350M")
 
 
-def load(k, runs: int, points: int, batch: int = 1000) -> float:
+def load(k, runs: int, points: int, batch: int = 1000, first: int = 0) -> float:
     t = time.perf_counter()
     with k.bulk():
-        for a in range(0, runs, batch):
-            report = k.ingest_records([make_run(i, points) for i in range(a, min(runs, a + batch))], index=False)
-            assert report.added == min(batch, runs - a) and not report.failed, report.as_dict()
+        for a in range(first, first + runs, batch):
+            stop = min(first + runs, a + batch)
+            report = k.ingest_records([make_run(i, points) for i in range(a, stop)], index=False)
+            assert report.added == stop - a and not report.failed, report.as_dict()
     return time.perf_counter() - t
 
 
@@ -91,11 +95,33 @@ def measure(k, repeats: int) -> dict:
                            "bm25s": [round(x, 2) for x in theirs]}}
 
 
+def measure_after_ingest(k, folder: Path, start: int, more: int, points: int) -> dict:
+    from agents.corpus import all_chunks
+    from agents.sparse import SparseIndex, _forms, tokens
+    SparseIndex.open(k.engine, folder)                 # built and saved, as the last question left it
+    load(k, more, points, first=start)
+    _forms.cache_clear()
+    t = time.perf_counter()
+    index = SparseIndex.open(k.engine, folder)
+    incremental = time.perf_counter() - t
+    _forms.cache_clear()
+    t = time.perf_counter()
+    fresh = SparseIndex.build(list(all_chunks(k.engine)))        # read and built, as before
+    scratch = time.perf_counter() - t
+    for q in QUESTIONS:
+        assert np.allclose(index.scores(tokens(q)), fresh.scores(tokens(q)), rtol=1e-5, atol=1e-6), q
+    return {"more_runs": more, "chunks_after": len(index.keys), "tokenized": index.tokenized,
+            "rebuild_reusing_s": round(incremental, 2), "rebuild_from_scratch_s": round(scratch, 2),
+            "ratio": round(scratch / incremental, 2)}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20_000)
     ap.add_argument("--points-per-run", type=int, default=20, help="curve points a run (the cards hardly depend on it)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--more", type=int, default=None, help="runs loaded before the rebuild after an ingest "
+                    "(default: 1%% of --runs)")
     ap.add_argument("--postgres", default=os.environ.get("KB_BENCH_POSTGRES_URL"),
                     help="a Postgres URL: the store goes in a scratch schema there (dropped after)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line of stdout")
@@ -104,12 +130,18 @@ def main(argv: list[str] | None = None) -> None:
         load_s = load(k, args.runs, args.points_per_run)
         out = {"store": "postgres" if args.postgres else "sqlite", "runs": args.runs, "load_s": round(load_s, 1)}
         out |= measure(k, args.repeats)
+        more = args.more if args.more is not None else max(1, args.runs // 100)
+        out["after_ingest"] = measure_after_ingest(k, Path(tmp) / "bm25", args.runs, more, args.points_per_run)
     print(f"{out['store']}, {out['runs']:,} runs: {out['chunks']:,} chunks, {out['vocabulary']:,} distinct tokens")
     print(f"  read the chunks from SQL       {out['read_s']:6.2f} s")
     print(f"  build, ours                    {out['ours_build_s']:6.2f} s")
     print(f"  build, bm25s (the incumbent)   {out['bm25s_build_s']:6.2f} s   ({out['build_ratio']:.2f}x ours)")
     print(f"  rebuild (read + build): ours {out['rebuild_ours_s']:.2f} s, with bm25s {out['rebuild_bm25s_s']:.2f} s; "
           f"scores equal within {out['max_relative_score_difference']:.1e} (relative)")
+    a = out["after_ingest"]
+    print(f"  after {a['more_runs']:,} more runs ({a['chunks_after']:,} chunks): the rebuild reusing the saved "
+          f"tokens {a['rebuild_reusing_s']:.2f} s ({a['tokenized']:,} chunks tokenized), "
+          f"from scratch {a['rebuild_from_scratch_s']:.2f} s ({a['ratio']:.2f}x)")
     if args.json:
         print(json.dumps(out))
 

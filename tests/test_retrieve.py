@@ -69,3 +69,36 @@ def test_the_keyword_index_scores_as_bm25s_does_and_reads_back_the_same(kb, tmp_
     assert back.keys == ours.keys and back.vocab == ours.vocab
     for q in QUESTIONS:
         assert back.search(q, 10) == ours.search(q, 10)
+
+
+@pytest.mark.slow
+def test_a_rebuild_tokenizes_only_new_and_changed_chunks_and_equals_a_fresh_build(kb, tmp_path):
+    """After an ingest the keyword index is rebuilt from the saved one's token rows: a chunk whose
+    text is unchanged keeps its tokens; the result is the index a build from scratch gives, its
+    vocabulary without the tokens only a changed or deleted record held."""
+    from agents.corpus import all_chunks
+    from agents.sparse import SparseIndex
+    history = Path(__file__).resolve().parents[1] / "kb" / "demo_history"
+    kb.ingest(str(history / "runs.jsonl"), index=False)
+    folder = tmp_path / "bm25"
+    first = SparseIndex.open(kb.engine, folder)
+    assert first.tokenized == len(first.keys) > 20
+    run = kb.runs(limit=1)[0]
+    report = kb.ingest_records([{"id": "zz-new", "project": "p", "config": {"norm": "quuxnorm"},
+                       "metrics": {"val/loss": [[10, 3.1]]}},
+                       {"id": run.id, "project": run.project, "name": "plughflavour", "config": run.config,
+                        "metrics": {"val/loss": [[10, 2.9]]}}], index=False)
+    assert (report.added, report.updated) == (1, 1), report.as_dict()
+    second = SparseIndex.open(kb.engine, folder)
+    assert 2 <= second.tokenized < 6             # the new run, the changed one, what cites them
+    fresh = SparseIndex.build(list(all_chunks(kb.engine)))
+    assert second.keys == fresh.keys and set(second.vocab) == set(fresh.vocab)
+    assert "quuxnorm" in second.vocab and "plughflavour" in second.vocab
+    for q in ("quuxnorm", "plughflavour val loss", "diverged warmup", "d1 lr0.001"):
+        assert second.search(q, 10) == fresh.search(q, 10), q
+    # the changed run's old words go with it when nothing else holds them
+    kb.ingest_records([{"id": run.id, "project": run.project, "name": "xyzzyword", "config": run.config,
+                        "metrics": {"val/loss": [[10, 2.8]]}}], index=False)
+    third = SparseIndex.open(kb.engine, folder)
+    assert "plughflavour" not in third.vocab and "xyzzyword" in third.vocab and third.tokenized < 6
+    assert set(third.vocab) == set(SparseIndex.build(list(all_chunks(kb.engine))).vocab)
