@@ -47,9 +47,14 @@ def tokens(text: str) -> list[str]:
     """Lower-cased words; a compound (`val/loss`, `base-lr0.001`) also yields its parts, and a
     number its one canonical spelling, so `3e-4` and `0.0003` are the same token."""
     out: list[str] = []
-    for tok in _TOKEN.findall(text.lower()):
-        out.extend(_forms(tok))
+    for word in _words(text):
+        out.extend(_forms(word))
     return out
+
+
+def _words(text: str) -> list[str]:
+    """What `tokens` cuts a text into, before each word's forms (`_forms`)."""
+    return _TOKEN.findall(text.lower())
 
 
 @lru_cache(maxsize=1 << 17)
@@ -158,6 +163,11 @@ class TokenRows:
         return {k: (int(d), int(e - n), int(e)) for k, d, n, e in zip(self.keys, self.digests, self.lengths, stops)}
 
 
+def _vocabulary(saved: dict) -> dict[str, int]:
+    """token -> id of a saved index (its chunks.json lists the tokens in id order)."""
+    return {t: i for i, t in enumerate(saved["vocab"])}
+
+
 class SparseIndex:
     def __init__(self, weights: sp.csc_matrix | None, vocab: dict[str, int], keys: list[str], kinds: np.ndarray,
                  projects: np.ndarray, sig: str, rows: TokenRows | None = None, tokenized: int = 0):
@@ -176,33 +186,26 @@ class SparseIndex:
         old = previous[0].slices() if previous else {}
         old_ids = previous[0].ids if previous else None
         ids_of: dict[str, tuple[int, ...]] = {}     # a word's tokens (`_forms`) as ids, once a build
-        pieces: list = []                           # each chunk's ids: a slice of old_ids, or new
-        fresh = array("i")
-        lengths, digests = array("q"), array("Q")
+        ids, lengths, digests = array("i"), array("q"), array("Q")
         tokenized = 0
         for c in chunks:
+            start = len(ids)
             d = digest(c.text)
             digests.append(d)
             was = old.get(c.key)
             if was is not None and was[0] == d:
-                pieces.append(old_ids[was[1]:was[2]])
-                lengths.append(was[2] - was[1])
-                continue
-            tokenized += 1
-            start = len(fresh)
-            for word in _TOKEN.findall(c.text.lower()):       # `tokens`, word by word
-                got = ids_of.get(word)
-                if got is None:
-                    got = ids_of[word] = tuple(vocab.setdefault(t, len(vocab)) for t in _forms(word))
-                fresh.extend(got)
-            if len(fresh) == start:
-                fresh.append(vocab.setdefault(EMPTY, len(vocab)))
-            pieces.append((start, len(fresh)))
-            lengths.append(len(fresh) - start)
-        new = np.frombuffer(fresh, dtype=np.int32) if len(fresh) else np.zeros(0, dtype=np.int32)
-        ids = np.concatenate([new[p[0]:p[1]] if isinstance(p, tuple) else p for p in pieces]) if pieces \
-            else np.zeros(0, dtype=np.int32)
-        ids, vocab = _compact(ids, vocab)
+                ids.frombytes(old_ids[was[1]:was[2]].tobytes())      # its tokens as the last build found them
+            else:
+                tokenized += 1
+                for word in _words(c.text):
+                    got = ids_of.get(word)
+                    if got is None:
+                        got = ids_of[word] = tuple(vocab.setdefault(t, len(vocab)) for t in _forms(word))
+                    ids.extend(got)
+                if len(ids) == start:
+                    ids.append(vocab.setdefault(EMPTY, len(vocab)))
+            lengths.append(len(ids) - start)
+        ids, vocab = _compact(np.frombuffer(ids, dtype=np.int32) if len(ids) else np.zeros(0, dtype=np.int32), vocab)
         n = np.frombuffer(lengths, dtype=np.int64) if len(lengths) else np.zeros(0, dtype=np.int64)
         rows = TokenRows([c.key for c in chunks], np.frombuffer(digests, dtype=np.uint64), ids, n)
         weights = bm25_weights(ids, n, len(vocab)) if chunks else None
@@ -233,7 +236,7 @@ class SparseIndex:
     @classmethod
     def _load(cls, folder: Path, saved: dict) -> "SparseIndex":
         weights = sp.load_npz(folder / "weights.npz").tocsc() if saved["keys"] else None
-        return cls(weights, {t: i for i, t in enumerate(saved["vocab"])}, saved["keys"],
+        return cls(weights, _vocabulary(saved), saved["keys"],
                    np.array(saved["kinds"], dtype=object), np.array(saved["projects"], dtype=object),
                    saved["signature"])
 
@@ -246,9 +249,10 @@ class SparseIndex:
             rows = TokenRows(saved["keys"], t["digests"], t["ids"], t["lengths"])
             built = str(t["signature"])
         # another process may have swapped the folder between the two reads: ids of another vocabulary
-        if built != saved["signature"] or len(rows.lengths) != len(rows.keys) or int(rows.lengths.sum()) != len(rows.ids):
+        if (built != saved["signature"] or rows.ids.dtype != np.int32 or len(rows.lengths) != len(rows.keys)
+                or int(rows.lengths.sum()) != len(rows.ids)):
             raise ValueError("token rows do not match the keys")
-        return rows, {t: i for i, t in enumerate(saved["vocab"])}
+        return rows, _vocabulary(saved)
 
     def save(self, folder: Path) -> None:
         # written beside, then swapped in, so a reader never sees half an index

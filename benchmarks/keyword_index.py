@@ -57,9 +57,9 @@ def load(k, runs: int, points: int, batch: int = 1000, first: int = 0) -> float:
 
 def bm25s_build(chunks):
     import bm25s
-    from agents.sparse import tokens
+    from agents.sparse import EMPTY, tokens
     model = bm25s.BM25()
-    model.index([tokens(c.text) or ["<empty>"] for c in chunks], show_progress=False)
+    model.index([tokens(c.text) or [EMPTY] for c in chunks], show_progress=False)
     return model
 
 

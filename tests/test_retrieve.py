@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agents.sparse import tokens
+from agents.sparse import EMPTY, tokens
+
+HISTORY = Path(__file__).resolve().parents[1] / "kb" / "demo_history"
 
 
 def test_numbers_have_one_spelling_and_compounds_yield_their_parts():
@@ -49,13 +51,12 @@ def test_the_keyword_index_scores_as_bm25s_does_and_reads_back_the_same(kb, tmp_
     from agents.corpus import all_chunks
     from agents.sparse import SparseIndex, signature
     from kb.record_texts import RecordText
-    history = Path(__file__).resolve().parents[1] / "kb" / "demo_history"
-    report = kb.ingest(str(history / "runs.jsonl"), index=False)
-    assert report.added >= 20 and kb.ingest(str(history / "notes"), index=False).added
+    report = kb.ingest(str(HISTORY / "runs.jsonl"), index=False)
+    assert report.added >= 20 and kb.ingest(str(HISTORY / "notes"), index=False).added
     chunks = list(all_chunks(kb.engine)) + [RecordText("note", "stop-words-only", "The and of", "p")]
     ours = SparseIndex.build(chunks, signature(kb.engine))
     reference = bm25s.BM25()
-    reference.index([tokens(c.text) or ["<empty>"] for c in chunks], show_progress=False)
+    reference.index([tokens(c.text) or [EMPTY] for c in chunks], show_progress=False)
     assert set(ours.vocab) == set(reference.vocab_dict) - {""}      # bm25s adds an empty token
     for q in QUESTIONS:
         if tokens(q):           # bm25s refuses a query of no token; ours scores it zero everywhere
@@ -78,8 +79,7 @@ def test_a_rebuild_tokenizes_only_new_and_changed_chunks_and_equals_a_fresh_buil
     vocabulary without the tokens only a changed or deleted record held."""
     from agents.corpus import all_chunks
     from agents.sparse import SparseIndex
-    history = Path(__file__).resolve().parents[1] / "kb" / "demo_history"
-    kb.ingest(str(history / "runs.jsonl"), index=False)
+    kb.ingest(str(HISTORY / "runs.jsonl"), index=False)
     folder = tmp_path / "bm25"
     first = SparseIndex.open(kb.engine, folder)
     assert first.tokenized == len(first.keys) > 20
