@@ -192,9 +192,10 @@ class KnowledgeBase:
         with self.engine.connect() as conn:
             sizes = test_sizes(conn, where)      # counted once, for the driver and the walk
             driver = choose_driver(conn, where, sizes)
-            first = top_ids(where, sort, limit, driver) if sort and limit and limit <= TOP_IDS_MAX else None
+            terms = conn.dialect.name == "postgresql"        # Postgres keeps runs' terms (kb.field_terms)
+            first = top_ids(where, sort, limit, driver, terms) if sort and limit and limit <= TOP_IDS_MAX else None
             if first is not None:        # the best few found from RunField alone, then read by id
-                ids = walk_ids(conn, where, sort, limit, sizes)
+                ids = walk_ids(conn, where, sort, limit, sizes, terms)
                 if ids is None:
                     ids = list(conn.execute(first).scalars())
                 found = {row.id: row for row in conn.execute(_RUNS_BY_ID, {"ids": ids})} if ids else {}

@@ -12,6 +12,7 @@ from sqlalchemy import JSON, BigInteger, Column, Float, Index, LargeBinary, Prim
 from sqlalchemy import text as sql_text
 from sqlmodel import Field, SQLModel
 
+from kb.field_terms import POSTGRES_ONLY_TABLES
 from kb.vocab import canonical_view
 
 # plain JSON on Postgres too: it keeps the text as written (jsonb reorders keys and turns
@@ -40,8 +41,11 @@ def only_on(dialect: str, index: Index) -> Index:
 
 
 def on_this_dialect(dialect: str):
-    """An alembic `include_object` hook: compare only what this dialect is meant to have."""
+    """An alembic `include_object` hook: compare only what this dialect is meant to have (and
+    not Postgres's tables that no model declares: kb.field_terms)."""
     def include(obj, name, type_, reflected, compare_to) -> bool:
+        if type_ == "table" and reflected and compare_to is None:
+            return not (dialect == "postgresql" and name in POSTGRES_ONLY_TABLES)
         return reflected or type_ != "index" or obj.info.get("only_on", dialect) == dialect
     return include
 

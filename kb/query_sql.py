@@ -8,17 +8,21 @@ strings in code-point order (`codepoint`); tests hold them to `kb.query.evaluate
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 
 from sqlalchemy import (Float, Integer, Numeric, Select, String, Text, and_, case, false, func, literal,
                         not_, or_, select, true)
+from sqlalchemy import text as sql_text
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import aliased
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.sqltypes import NullType
 
+from kb.field_terms import RUNTERM, field_term
 from kb.fields import canonical
 from kb.models import TEXT_INDEXED, Run, RunField
 from kb.query import (COLUMNS, OPS, ORDERING, And, Compare, Exists, In, Literal, Node, Not, Or, _as_time,
@@ -339,7 +343,8 @@ class _Plan:
     joins: tuple            # (alias of RunField, ON clause, outer?)
     filters: tuple          # WHERE clauses
     order: tuple            # ORDER BY clauses, empty without a sort
-    base: object = None     # top_ids: the driving test's alias, the query's FROM
+    base: object = None     # top_ids: the driving test's alias (or runterm), the query's FROM
+    anchor: object = None   # top_ids: base's run id
 
 
 @dataclass(frozen=True)
@@ -419,7 +424,7 @@ WALK_BUDGET = 500       # sort-key rows a walk reads before it leaves the query 
 
 
 def walk_ids(conn, where: str | Node | None, sort: str, limit: int,
-             sizes: tuple[int, ...] | None = None) -> list[str] | None:
+             sizes: tuple[int, ...] | None = None, terms: bool = False) -> list[str] | None:
     """The ids of the first `limit` runs in `apply_query`'s order, found by walking the sort key's
     numbers in order through its (key, vtype, num) index and probing each run's tests by primary
     key, at most WALK_BUDGET runs; None when the walk does not apply or did not find `limit`.
@@ -430,8 +435,9 @@ def walk_ids(conn, where: str | Node | None, sort: str, limit: int,
     by run id), so what it finds is the answer; the budget bounds what a walk that finds too
     little costs (matches far down the order) before `top_ids` answers as it always did. A test
     with fewer than DRIVER_COUNT_CAP rows (`sizes`, `test_sizes`: SQLite's, counted here unless
-    given) skips the walk; Postgres has no counts (`test_sizes`) and always walks first: a walk
-    that misses costs ~4 ms there."""
+    given) skips the walk; Postgres has no counts (`test_sizes`) and walks first unless its
+    statistics say the runs' terms match too few for a walk to find `limit` (`terms`,
+    `term_share`): a walk that misses costs ~4-8 ms there."""
     if where is None:
         return None
     text = where if isinstance(where, str) else render(where)
@@ -441,8 +447,49 @@ def walk_ids(conn, where: str | Node | None, sort: str, limit: int,
     sizes = test_sizes(conn, text) if sizes is None else sizes
     if sizes and min(sizes) < DRIVER_COUNT_CAP:
         return None
+    share = term_share(conn, text) if terms else None
+    if share is not None and share * WALK_BUDGET < limit / 2:
+        return None
     ids = list(conn.execute(walk).scalars())
     return ids if len(ids) == limit else None
+
+
+def term_share(conn, where: str) -> float | None:
+    """Postgres's estimate of the share of runs that hold the terms of where's equalities (from
+    its statistics of the terms' frequencies: off by ~10% where its RunField estimates of the
+    same tests were off 40x), or None without a term plan or before runterm's first ANALYZE.
+    One EXPLAIN; whether runterm has statistics is asked once per connection until it has.
+
+    Walking on a wrong guess costs a miss, skipping it a read of every match, so without
+    statistics this says nothing (the default estimate says any filter matches one run)."""
+    explain = _term_explain(where)
+    if explain is None:
+        return None
+    if not conn.info.get(_STATS_SEEN):
+        if conn.execute(_TERM_STATS).scalar() is None:
+            return None
+        conn.info[_STATS_SEEN] = True
+    plan = conn.exec_driver_sql(*explain).scalar_one()
+    matching, every = (p["Plan Rows"] for p in (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]["Plans"])
+    return matching / every if every else None
+
+
+_STATS_SEEN = "kb_runterm_has_statistics"
+_TERM_STATS = sql_text("SELECT 1 FROM pg_stats WHERE schemaname = current_schema() AND tablename = 'runterm' "
+                       "AND attname = 'terms'")
+
+
+@lru_cache(maxsize=256)
+def _term_explain(where: str) -> tuple[str, dict] | None:
+    """EXPLAIN of the terms' search beside a scan of every run (its estimate: the table's rows),
+    compiled for Postgres once per query text."""
+    termed = _termed(_items(where).tests)
+    if termed is None:
+        return None
+    t = RUNTERM.c
+    both = select(t.run_id).where(*_term_plan(*termed, []).filters).union_all(select(t.run_id))
+    compiled = both.compile(dialect=postgresql.dialect())
+    return f"EXPLAIN (FORMAT JSON) {compiled}", compiled.params
 
 
 @lru_cache(maxsize=256)
@@ -482,30 +529,34 @@ def _default_driver(tests: tuple) -> int:
     return 0
 
 
-def top_ids(where: str | Node | None, sort: str, limit: int, driver: int | None = None) -> Select | None:
+def top_ids(where: str | Node | None, sort: str, limit: int, driver: int | None = None,
+            terms: bool = False) -> Select | None:
     """The ids of the first `limit` runs in `apply_query`'s order, read from RunField rows alone,
     or None when the query needs the run table (a column test or sort, `or`, `not`, `exists`).
 
     The driving test's rows are the base and every other key is probed from them: joining the
     run table as well cost a probe per candidate run, about a third of the query, for rows
-    that only the final few need (`KnowledgeBase.runs` fetches those by id)."""
-    return _top_ids(where if where is None or isinstance(where, str) else render(where), sort, limit, driver)
+    that only the final few need (`KnowledgeBase.runs` fetches those by id). With `terms`
+    (Postgres: kb.field_terms), equalities on TERM_MIN_KEYS keys or more are answered by the
+    runs' terms instead, and only the other tests and the sort keys are probed."""
+    return _top_ids(where if where is None or isinstance(where, str) else render(where), sort, limit, driver, terms)
 
 
 @lru_cache(maxsize=256)
-def _top_ids(where: str | None, sort: str, limit: int, driver: int | None) -> Select | None:
+def _top_ids(where: str | None, sort: str, limit: int, driver: int | None, terms: bool) -> Select | None:
     # the statement object is cached too: SQLAlchemy keeps its cache key on it
-    plan = _plan(where, sort, driver, True)
+    plan = _plan(where, sort, driver, True, terms)
     if plan is None:
         return None
-    stmt = select(plan.base.run_id).select_from(plan.base)
+    stmt = select(plan.anchor).select_from(plan.base)
     for target, on, outer in plan.joins:
         stmt = stmt.join(target, on, isouter=outer)
     return stmt.where(_balanced(and_, list(plan.filters))).order_by(*plan.order).limit(limit)
 
 
 @lru_cache(maxsize=256)
-def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool = False) -> _Plan | None:
+def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool = False,
+          terms: bool = False) -> _Plan | None:
     # cached by text: parsing and building the clauses cost more than the indexed query itself;
     # the clauses are immutable and bind their values as parameters, so sharing them is safe
     items = _items(where)
@@ -513,6 +564,9 @@ def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool
     if runless and (items.more or items.exists or items.other or not items.tests or not sort_keys
                     or any(key[0] in COLUMNS for key, _ in sort_keys)):
         return None
+    termed = _termed(items.tests) if runless and terms else None
+    if termed is not None:
+        return _term_plan(*termed, sort_keys)
     tests = dict(items.tests)
     filters = [_sql(n) for n in items.other]
     # one subquery per key past the joined ones: a run has one row per key
@@ -545,6 +599,13 @@ def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool
             _balanced(and_, [_RF.key == k, *(_field_cond(n, _RF) for n in nodes)])).exists())
         types = set.intersection(*({_literal_type(v) for v in _literals(n)} for n in nodes))
         rows[k] = f, (types.pop() if len(types) == 1 else None)
+    order = _order(sort_keys, rows, joins, anchor, hide)
+    return _Plan(tuple(joins), tuple(filters), tuple(order), base, anchor if runless else None)
+
+
+def _order(sort_keys: list, rows: dict, joins: list, anchor, hide) -> list:
+    """ORDER BY clauses for the sort keys over the plan's joined rows (canonical key -> (alias,
+    pinned vtype)); a sort key no test joined gets an outer join, appended to `joins`."""
     order: list = []
     for j, (key, desc) in enumerate(sort_keys):
         h = hide if j == 0 else _same                # the first term decides whether an index can serve
@@ -560,7 +621,70 @@ def _plan(where: str | None, sort: str | None, driver: int | None, runless: bool
         order += _field_sort(f.vtype, f.num, f.text, desc, pinned, h)
     if order:
         order.append(codepoint(anchor).asc())
-    return _Plan(tuple(joins), tuple(filters), tuple(order), base)
+    return order
+
+
+TERM_MIN_KEYS = 2       # keys with an equality before the terms answer them: one key's range is as good
+
+
+def _termed(tests: tuple) -> tuple | None:
+    """(terms every match holds, term lists of which a match holds one, the tests left to probe
+    per key) when equalities on TERM_MIN_KEYS keys or more have terms (kb.field_terms), else None."""
+    every: list[str] = []
+    some: list[list[str]] = []
+    rest: dict[str, tuple] = {}
+    keys = 0
+    for k, nodes in tests:
+        left = []
+        for node in nodes:
+            spelled = _terms(k, node)
+            if spelled is None:
+                left.append(node)
+            elif isinstance(node, In):
+                some.append(spelled)
+            else:
+                every += spelled
+        keys += len(left) < len(nodes)
+        if left:
+            rest[k] = tuple(left)
+    return (tuple(every), tuple(map(tuple, some)), tuple(rest.items())) if keys >= TERM_MIN_KEYS else None
+
+
+def _terms(key: str, node: Compare | In) -> list[str] | None:
+    """The terms of the rows an equality or `in` matches (the test holds exactly when the run
+    has one of them), or None when it is not one or a value has no term."""
+    if isinstance(node, Compare) and node.op != "=":
+        return None
+    out = [field_term(key, *_typed_literal(v)) for v in _literals(node)]
+    return None if not out or None in out else out
+
+
+def _typed_literal(v: Literal) -> tuple[str, float | None, str | None]:
+    """(vtype, num, text) of the RunField row an equality with v matches (as _field_compare)."""
+    if v is None:
+        return "z", None, None
+    if isinstance(v, bool):
+        return "b", 1.0 if v else 0.0, None
+    if isinstance(v, str):
+        return "s", None, v
+    return "n", float(v), None
+
+
+def _term_plan(every: tuple, some: tuple, rest: tuple, sort_keys: list) -> _Plan:
+    """top_ids' plan from the runs' terms: the GIN index finds the runs that hold every term of
+    `every` and one of each list in `some`; each run found probes the tests left (`rest`) and
+    its sort keys by primary key. Its cost is the number of matches, however many runs each
+    equality alone matches."""
+    t = RUNTERM.c
+    filters: list = [t.terms.contains(list(every))] if every else []
+    filters += [t.terms.overlap(list(terms)) for terms in some]
+    joins, rows = [], {}
+    for i, (k, nodes) in enumerate(rest):
+        f = _alias(i)
+        joins.append((f, and_(f.run_id == t.run_id, f.key == k, *(_field_cond(n, f) for n in nodes)), False))
+        rows[k] = f, None
+    order = _order(sort_keys, rows, joins, t.run_id, unordered)
+    return _Plan(tuple(joins), tuple(filters), tuple(order), RUNTERM, t.run_id)
 
 
 @lru_cache(maxsize=256)

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from datetime import datetime, timedelta, timezone
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, insert, select
+from sqlalchemy import text as sql_text
 from sqlmodel import Session
 
 from kb.errors import QueryError
+from kb.field_terms import RUNTERM, TERM_NAMESPACES
 from kb.fields import NAMESPACES, canonical, field_rows, lookup, typed
 from kb.models import Run, RunField
 from kb.query import COLUMNS, And, Compare, Exists, In, Not, Or, evaluate, parse, parse_sort, render
@@ -372,6 +375,19 @@ def first_ids(engine, where, sort, limit, driver=None) -> list[str] | None:
         return list(conn.execute(stmt).scalars())
 
 
+def term_ids(engine, where, sort, limit) -> list[str] | None:
+    """top_ids' answer from Postgres's run terms, or None where the terms do not answer it."""
+    plan = top_ids(where, sort, limit, terms=True)
+    if not from_terms(plan):
+        return None
+    with engine.connect() as conn:
+        return list(conn.execute(plan).scalars())
+
+
+def from_terms(stmt) -> bool:
+    return stmt is not None and re.search(r"\bFROM\s+(\w+)", str(stmt)).group(1) == RUNTERM.name
+
+
 def drivers(where) -> range:
     """Every joined test's index: whichever the plan starts from, the answer is the same."""
     if where is None:
@@ -511,6 +527,75 @@ def test_knowledge_base_runs_gives_the_first_of_the_order(kb, case, limit, proje
     want = [i for i in python_order(RECORDS, key, desc) if i in keep]
     text = None if node is None else render(node)
     assert [r.id for r in kb.runs(where=text, sort=spec, limit=limit, project=project)] == want[:limit], (text, spec)
+
+
+TERM_KEYS = [k for k in FIELD_KEYS if k[0] in TERM_NAMESPACES and len(k) > 1]
+
+
+@st.composite
+def equality_filters(draw):
+    """Equalities and `in` lists on two to four keys that get terms (Postgres's term plan), now
+    and then one more test of any kind; a sort key and direction."""
+    tests = []
+    for key in draw(st.lists(st.sampled_from(TERM_KEYS), min_size=2, max_size=4, unique=True)):
+        if draw(st.booleans()):
+            tests.append(Compare(key, "=", draw(literal_for(key))))
+        else:
+            tests.append(In(key, tuple(draw(st.lists(literal_for(key), min_size=1, max_size=3)))))
+    if draw(st.integers(0, 3)) == 0:
+        tests.append(draw(predicates()))
+    return And(tuple(tests)), draw(st.sampled_from(ALL_KEYS)), draw(st.booleans())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=equality_filters())
+def test_postgres_term_plan_matches_reference(populated, case):
+    """On Postgres, equalities on several keys are answered from the runs' terms (kb.field_terms):
+    the first runs of the reference order, values of every type and spelling included."""
+    if populated.dialect.name != "postgresql":
+        pytest.skip("the term index is Postgres's")
+    node, key, desc = case
+    spec = ("-" if desc else "") + render(Exists(key)).removesuffix(" exists")
+    keep = {r["id"] for r in RECORDS if evaluate(node, r)}
+    want = [i for i in python_order(RECORDS, key, desc) if i in keep]
+    for limit in (1, 3, 50):
+        assert term_ids(populated, render(node), spec, limit) in (None, want[:limit]), (render(node), spec)
+
+
+def test_postgres_answers_several_equalities_from_the_terms(kb):
+    """Which queries the terms answer, and that KnowledgeBase.runs does on Postgres: matches
+    with every value spelling (-0 as 0, an int as its float, bools, null), a test left to probe,
+    an `in` list; a walk skipped once ANALYZE says the terms match few runs."""
+    from kb.query_sql import term_share, walk_ids
+    records = [{"id": f"r{i:03d}", "project": "p",
+                "config": {"lr": [1e-3, 3e-3, 0.0, -0.0][i % 4], "norm": ["rms", "layer"][i % 2],
+                           "wd": [None, True, 2**53 + 1][i % 3], "seed": i % 5},
+                "summary": {"loss": round(3 + (i * 37 % 101) / 100, 2)}} for i in range(120)]
+    store(kb.engine, complete(records))
+    cases = ["config.lr = 0 and config.norm = 'rms'", "config.lr = -0.0 and config.wd = null",
+             "config.wd = true and config.norm in ('layer', 'x')", "config.wd = 9007199254740993 and config.seed = 3",
+             "config.lr = 0.003 and config.norm = 'layer' and summary.loss < 3.5",
+             "config.lr in (0.001, 0.003) and config.seed in (1, 2) and config.wd = true"]
+    postgres = kb.engine.dialect.name == "postgresql"
+    for where in cases:
+        keep = {r["id"] for r in records if evaluate(parse(where), r)}
+        for spec in ("summary.loss", "-summary.loss", "config.seed"):
+            want = [i for i in python_order(records, parse_sort(spec)[0][0], spec[0] == "-") if i in keep]
+            assert [r.id for r in kb.runs(where=where, sort=spec, limit=10)] == want[:10], (where, spec)
+            if postgres:
+                assert term_ids(kb.engine, where, spec, 10) == want[:10], (where, spec)
+    assert not from_terms(top_ids("config.lr = 0.003 and config.seed > 1", "summary.loss", 5, terms=True))
+    assert all(from_terms(top_ids(where, "summary.loss", 5, terms=True)) for where in cases)
+    if not postgres:
+        return
+    with kb.engine.begin() as conn:
+        conn.execute(sql_text("ANALYZE runterm"))
+    with kb.engine.connect() as conn:
+        assert term_share(conn, "config.norm = 'rms' and config.seed = 1") == pytest.approx(0.1, abs=0.05)
+        assert walk_ids(conn, "config.wd = true and config.seed = 1", "summary.loss", 20, terms=True) is None
+        assert term_share(conn, "config.norm = 'rms' and config.lr in (0.001, 0.003, 0)") > 0.25
+        assert len(walk_ids(conn, "config.norm = 'rms' and config.lr in (0.001, 0.003, 0)", "summary.loss", 5,
+                            terms=True)) == 5
 
 
 def test_parse_sort():

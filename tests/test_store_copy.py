@@ -16,6 +16,7 @@ from kb.api import KnowledgeBase
 from kb.cli import main
 from kb.settings import Settings
 from tests.conftest import BACKENDS, database
+from tests.test_field_terms import assert_terms_follow_fields
 from tests.test_propose import PROJECT, lr_history
 
 NOTE = "# Sweep notes\n\nThe 2.5e-3 runs diverged after warmup; we capped lr at 1e-3.\n"
@@ -47,6 +48,8 @@ def test_a_knowledge_base_moves_whole_and_keeps_working(kb, tmp_path, target_bac
             extra = lr_history(random.Random(6))[0] | {"id": "after-move"}
             assert target.ingest_records([extra]).failed == []
             assert "after-move" in {r.id for r in target.runs()}
+            if target.engine.dialect.name == "postgresql":      # the copied fields brought their terms
+                assert assert_terms_follow_fields(target.engine)
             target.reindex()
             hits = target.search("diverged after warmup capped lr", limit=3, kind="note")
             assert hits and hits[0].payload.get("kind") == "note"
