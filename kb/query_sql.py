@@ -15,7 +15,6 @@ from functools import lru_cache
 from sqlalchemy import (Float, Integer, Numeric, Select, String, Text, and_, case, false, func, literal,
                         not_, or_, select, true)
 from sqlalchemy import text as sql_text
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import aliased
 from sqlalchemy.sql.elements import ColumnElement
@@ -462,7 +461,7 @@ def term_share(conn, where: str) -> float | None:
 
     Walking on a wrong guess costs a miss, skipping it a read of every match, so without
     statistics this says nothing (the default estimate says any filter matches one run)."""
-    explain = _term_explain(where)
+    explain = _term_explain(where, conn.dialect)
     if explain is None:
         return None
     if not conn.info.get(_STATS_SEEN):
@@ -480,15 +479,15 @@ _TERM_STATS = sql_text("SELECT 1 FROM pg_stats WHERE schemaname = current_schema
 
 
 @lru_cache(maxsize=256)
-def _term_explain(where: str) -> tuple[str, dict] | None:
+def _term_explain(where: str, dialect) -> tuple[str, dict] | None:
     """EXPLAIN of the terms' search beside a scan of every run (its estimate: the table's rows),
-    compiled for Postgres once per query text."""
+    compiled once per query text for the connection's driver."""
     termed = _termed(_items(where).tests)
     if termed is None:
         return None
     t = RUNTERM.c
     both = select(t.run_id).where(*_term_plan(*termed, []).filters).union_all(select(t.run_id))
-    compiled = both.compile(dialect=postgresql.dialect())
+    compiled = both.compile(dialect=dialect)
     return f"EXPLAIN (FORMAT JSON) {compiled}", compiled.params
 
 
