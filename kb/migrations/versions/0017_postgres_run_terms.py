@@ -22,7 +22,7 @@ down_revision = "0016"
 branch_labels = None
 depends_on = None
 
-# kb.field_terms.TERM_NAMESPACES, TERM_MAX_BYTES and TERM_SQL as of this revision
+# kb.field_terms.TERM_NAMESPACES, TERM_MAX_BYTES and field_term's spelling, as of this revision
 NAMESPACES = "'config', 'hparams', 'scale', 'tags', 'failure', 'anomalies'"
 MAX_BYTES = 1000
 TERM = """vtype || length(key) || ':' || key || CASE vtype WHEN 's' THEN text WHEN 'z' THEN ''
