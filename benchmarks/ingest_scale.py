@@ -37,8 +37,9 @@ LRS = (1e-4, 3e-4, 6e-4, 1e-3, 2e-3)
 
 
 @contextmanager
-def knowledge_base(tmp: Path, name: str, postgres: str | None):
-    """A fresh KnowledgeBase: SQLite under tmp, or a scratch schema of the Postgres at `postgres`."""
+def knowledge_base(tmp: Path, name: str, postgres: str | None, schema: str | None = None):
+    """A fresh KnowledgeBase: SQLite under tmp, or a scratch schema of the Postgres at `postgres`
+    (dropped after); or, named by `schema`, a schema made if missing and kept (reused as it is)."""
     from kb.api import KnowledgeBase
     from kb.settings import Settings
     if not postgres:
@@ -51,17 +52,19 @@ def knowledge_base(tmp: Path, name: str, postgres: str | None):
     from sqlalchemy import create_engine, text
     admin = create_engine(postgres.replace("postgresql://", "postgresql+psycopg://", 1)
                           if postgres.startswith("postgresql://") else postgres)
-    schema = "bench_" + uuid.uuid4().hex[:12]
+    scratch = schema is None
+    schema = schema or "bench_" + uuid.uuid4().hex[:12]
     with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
     sep = "&" if "?" in postgres else "?"
     k = KnowledgeBase.open(Settings(home=tmp / name, database_url=f"{postgres}{sep}options=-csearch_path%3D{schema}"))
     try:
         yield k
     finally:
         k.close()
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        if scratch:
+            with admin.begin() as conn:
+                conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
 
 

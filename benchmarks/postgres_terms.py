@@ -5,7 +5,7 @@
                         # a named schema is kept (and reused by the next run: only what is missing is loaded)
 
 Loads --runs sweep runs (benchmarks/scale_runs.py, --points-per-run curve points) into a scratch
-schema (dropped after) in `KnowledgeBase.bulk()` blocks of 1,000, then:
+schema (dropped after) in one `KnowledgeBase.bulk()` block, 1,000 a call (scale.py's `ingest`), then:
 
 - ingest: --extra more runs, 1,000 a `bulk()` block (its end, the ablation refresh, timed too,
   and apart: the calls alone),
@@ -34,49 +34,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ingest_scale import knowledge_base  # noqa: E402
+from scale import ingest, percentiles  # noqa: E402
 from scale_runs import FILTERS, LIMIT, SORT, make_run  # noqa: E402
 
 TRIGGERS = ("kb_runterm_on_insert", "kb_runterm_on_delete", "kb_runterm_on_update", "kb_runterm_on_truncate")
 
 
-def open_store(postgres: str, schema: str | None, home: Path):
-    """A KnowledgeBase on a schema of the Postgres at `postgres`: the named one (kept) or a scratch
-    one; and a function that drops the scratch schema."""
-    import uuid
-
-    from sqlalchemy import create_engine, text
-
-    from kb.api import KnowledgeBase
-    from kb.settings import Settings
-    admin = create_engine(postgres.replace("postgresql://", "postgresql+psycopg://", 1))
-    name = schema or "bench_" + uuid.uuid4().hex[:12]
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{name}"'))
-    sep = "&" if "?" in postgres else "?"
-    k = KnowledgeBase.open(Settings(home=home, database_url=f"{postgres}{sep}options=-csearch_path%3D{name}"))
-
-    def close():
-        k.close()
-        if schema is None:
-            with admin.begin() as conn:
-                conn.execute(text(f'DROP SCHEMA "{name}" CASCADE'))
-        admin.dispose()
-    return k, close
-
-
 def stored_runs(k) -> int:
     return k.count()["runs"]
-
-
-def load(k, first: int, stop: int, points: int) -> float:
-    t = time.perf_counter()
-    for a in range(first, stop, 10_000):
-        with k.bulk():
-            for b in range(a, min(stop, a + 10_000), 1000):
-                records = [make_run(i, points) for i in range(b, min(stop, b + 1000))]
-                report = k.ingest_records(records, index=False)
-                assert report.added == len(records) and not report.failed, report.as_dict()
-    return time.perf_counter() - t
 
 
 def set_triggers(k, on: bool) -> None:
@@ -122,16 +88,11 @@ def ingest_pairs(k, first: int, extra: int, points: int) -> dict:
     return out
 
 
-def percentile(ms: list[float], q: float) -> float:
-    ms = sorted(ms)
-    return round(ms[min(len(ms) - 1, int(q * len(ms)))], 3)
-
-
 def queries(k, repeats: int) -> dict:
     from kb.query_sql import top_ids, walk_ids
     out = {}
     for label, f in FILTERS.items():
-        times: dict[str, list[float]] = {"fields": [], "terms": [], "walk": [], "runs": []}
+        times: dict[str, list[float]] = {"fields": [], "terms": [], "walk": [], "runs": []}     # seconds
         k.runs(where=f.kb_where(0), sort=SORT, limit=LIMIT)                  # warm: pages, caches
         termed = top_ids(f.kb_where(0), SORT, LIMIT, terms=True)
         uses_terms = termed is not None and "FROM runterm" in str(termed).replace("\n", " ")
@@ -143,20 +104,20 @@ def queries(k, repeats: int) -> dict:
                     stmt = top_ids(where, SORT, LIMIT, terms=terms)
                     t = time.perf_counter()
                     ids[name] = list(conn.execute(stmt).scalars())
-                    times[name].append(1000 * (time.perf_counter() - t))
+                    times[name].append(time.perf_counter() - t)
             assert ids["fields"] == ids["terms"], (where, ids)
             with k.engine.connect() as conn:
                 t = time.perf_counter()
                 walk_ids(conn, where, SORT, LIMIT)
-                times["walk"].append(1000 * (time.perf_counter() - t))
+                times["walk"].append(time.perf_counter() - t)
             t = time.perf_counter()
             rows = k.runs(where=where, sort=SORT, limit=LIMIT)
-            times["runs"].append(1000 * (time.perf_counter() - t))
+            times["runs"].append(time.perf_counter() - t)
             assert [r.id for r in rows] == ids["fields"], where
+        p = {n: percentiles(v) for n, v in times.items()}
         out[label] = {"where": f.kb_where(1), "terms_plan": uses_terms,
-                      **{f"{n}_p50_ms": round(statistics.median(v), 3) for n, v in times.items()},
-                      "runs_p95_ms": percentile(times["runs"], 0.95),
-                      "fields_over_terms": round(statistics.median(times["fields"]) / statistics.median(times["terms"]), 2)}
+                      **{f"{n}_p50_ms": q["p50_ms"] for n, q in p.items()}, "runs_p95_ms": p["runs"]["p95_ms"],
+                      "fields_over_terms": round(p["fields"]["p50_ms"] / p["terms"]["p50_ms"], 2)}
     return out
 
 
@@ -171,30 +132,26 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the results as JSON, the last line of stdout")
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        k, close = open_store(args.postgres, args.schema, Path(tmp) / "home")
-        try:
-            have = stored_runs(k)
-            if have < args.runs:
-                print(f"loading runs {have:,} to {args.runs:,} ...", flush=True)
-                load(k, have, args.runs, args.points_per_run)
-            have = stored_runs(k)
-            print(f"ingesting {args.extra:,} more, 1,000 a block, term triggers on and off in turn ...", flush=True)
-            ingest = ingest_pairs(k, 10_000_000 + have, args.extra, args.points_per_run) if args.extra else {}
-            result = {"setup": {"runs": stored_runs(k), "points_per_run": args.points_per_run, "repeats": args.repeats,
-                                "limit": LIMIT, "sort": SORT},
-                      "ingest": ingest, "queries": queries(k, args.repeats)}
-        finally:
-            close()
+    with tempfile.TemporaryDirectory() as tmp, knowledge_base(Path(tmp), "home", args.postgres, args.schema) as k:
+        have = stored_runs(k)
+        if have < args.runs:
+            print(f"loading runs {have:,} to {args.runs:,} ...", flush=True)
+            ingest(k, have, args.runs, args.points_per_run, 1000)
+        have = stored_runs(k)
+        print(f"ingesting {args.extra:,} more, 1,000 a block, term triggers on and off in turn ...", flush=True)
+        paired = ingest_pairs(k, 10_000_000 + have, args.extra, args.points_per_run) if args.extra else {}
+        result = {"setup": {"runs": stored_runs(k), "points_per_run": args.points_per_run, "repeats": args.repeats,
+                            "limit": LIMIT, "sort": SORT},
+                  "ingest": paired, "queries": queries(k, args.repeats)}
     print(f"\n{result['setup']['runs']:,} runs on Postgres")
-    for mode, r in ingest.items():
+    for mode, r in paired.items():
         if isinstance(r, dict):
             print(f"  ingest, term triggers {mode}: {r['ms_per_run']} ms a run, {r['points_per_s']:,} points/s "
                   f"(median of {r['blocks']} blocks of 1,000)")
-    if "cost_of_terms" in ingest:
-        print(f"  the terms cost an ingest {100 * ingest['cost_of_terms']:+.1f}% (the calls alone, without the "
-              f"block's end: {ingest['on']['calls_ms_per_run']} against {ingest['off']['calls_ms_per_run']} ms a run, "
-              f"{100 * ingest['cost_of_terms_in_calls']:+.1f}%)")
+    if "cost_of_terms" in paired:
+        print(f"  the terms cost an ingest {100 * paired['cost_of_terms']:+.1f}% (the calls alone, without the "
+              f"block's end: {paired['on']['calls_ms_per_run']} against {paired['off']['calls_ms_per_run']} ms a run, "
+              f"{100 * paired['cost_of_terms_in_calls']:+.1f}%)")
     print(f"  {'filter':<6} {'plan':<7} {'RunField ids':>13} {'term ids':>9} {'walk':>7} {'k.runs p50/p95':>16}  ratio")
     for label, q in result["queries"].items():
         print(f"  {label:<6} {'terms' if q['terms_plan'] else 'fields':<7} {q['fields_p50_ms']:>10.2f} ms "

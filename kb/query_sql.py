@@ -486,7 +486,7 @@ def _term_explain(where: str, dialect) -> tuple[str, dict] | None:
     if termed is None:
         return None
     t = RUNTERM.c
-    both = select(t.run_id).where(*_term_plan(*termed, []).filters).union_all(select(t.run_id))
+    both = select(t.run_id).where(*_term_filters(*termed[:2])).union_all(select(t.run_id))
     compiled = both.compile(dialect=dialect)
     return f"EXPLAIN (FORMAT JSON) {compiled}", compiled.params
 
@@ -669,14 +669,19 @@ def _typed_literal(v: Literal) -> tuple[str, float | None, str | None]:
     return "n", float(v), None
 
 
+def _term_filters(every: tuple, some: tuple) -> list:
+    """The runs that hold every term of `every` and one of each list in `some`."""
+    t = RUNTERM.c
+    return ([t.terms.contains(list(every))] if every else []) + [t.terms.overlap(list(terms)) for terms in some]
+
+
 def _term_plan(every: tuple, some: tuple, rest: tuple, sort_keys: list) -> _Plan:
     """top_ids' plan from the runs' terms: the GIN index finds the runs that hold every term of
     `every` and one of each list in `some`; each run found probes the tests left (`rest`) and
     its sort keys by primary key. Its cost is the number of matches, however many runs each
     equality alone matches."""
     t = RUNTERM.c
-    filters: list = [t.terms.contains(list(every))] if every else []
-    filters += [t.terms.overlap(list(terms)) for terms in some]
+    filters = _term_filters(every, some)
     joins, rows = [], {}
     for i, (k, nodes) in enumerate(rest):
         f = _alias(i)
