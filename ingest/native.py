@@ -45,12 +45,13 @@ class NativeIngester:
         if error:
             yield error
             return
+        uri = str(path.resolve())
         if isinstance(data, list):
             # a list of records: each is reported by its index, as lines are meaningless here
             for i, item in enumerate(data):
-                yield _validated(path, None, item, prefix=f"[{i}]")
+                yield _validated(path, uri, None, item, prefix=f"[{i}]")
         else:
-            yield _validated(path, 1, data)
+            yield _validated(path, uri, 1, data)
 
 
 def read_lines(path: Path, start: int = 0, end: int | None = None, first_line: int = 1) -> Iterator[Item]:
@@ -61,10 +62,11 @@ def read_lines(path: Path, start: int = 0, end: int | None = None, first_line: i
         raw = fh.read() if end is None else fh.read(end - start)
     if start == 0:
         raw = raw.removeprefix(codecs.BOM_UTF8)      # an editor's byte-order mark is no record
+    uri = str(path.resolve())       # once per file: per record it was a twentieth of the reading
     for lineno, line in enumerate(raw.split(b"\n"), start=first_line):
         if not line.strip():
             continue
-        yield _parse(path, lineno, line)
+        yield _parse(path, uri, lineno, line)
 
 
 def _slices(path: Path) -> Iterator[tuple[int, int, int]]:
@@ -78,7 +80,7 @@ def _slices(path: Path) -> Iterator[tuple[int, int, int]]:
             start += len(block)
 
 
-def _parse(path: Path, lineno: int, line: bytes) -> Item:
+def _parse(path: Path, uri: str, lineno: int, line: bytes) -> Item:
     try:
         # pydantic's JSON parser, ~3x faster than json.loads on a run's curves and the same values;
         # any line it refuses goes the json.loads way below, which names what is wrong
@@ -87,7 +89,7 @@ def _parse(path: Path, lineno: int, line: bytes) -> Item:
         if "recursion limit" in str(exc):      # ~200 levels: far past what a record may hold
             return rejected(path, TOO_DEEP, line=lineno)
     else:
-        return _validated(path, lineno, data)
+        return _validated(path, uri, lineno, data)
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -98,16 +100,16 @@ def _parse(path: Path, lineno: int, line: bytes) -> Item:
         return rejected(path, f"invalid JSON: {exc.msg} (column {exc.colno})", line=lineno)
     except RecursionError:
         return rejected(path, TOO_DEEP, line=lineno)
-    return _validated(path, lineno, data)
+    return _validated(path, uri, lineno, data)
 
 
-def _validated(path: Path, lineno: int | None, data, prefix: str = "") -> Item:
+def _validated(path: Path, uri: str, lineno: int | None, data, prefix: str = "") -> Item:
     try:
         record = parse_run(data)
     except InvalidRecord as exc:
         field = f"{prefix}.{exc.field}" if prefix and exc.field else (prefix or exc.field)
         return rejected(path, exc.error, line=lineno, field=field)
-    return Parsed(record, "native", str(path.resolve()), lineno)
+    return Parsed(record, "native", uri, lineno)
 
 
 SLICE_BYTES = 2**20         # a big JSONL file's parts: ~30 runs of 600 points (smaller evened the workers' ends)

@@ -29,10 +29,11 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
-def run_card(run: dict, failures: list[dict], anomalies: list[dict]) -> str:
-    """`run` holds the row's fields (id, name, project, status, config, scale, summary, tags, notes)."""
+def run_card(run: dict, failures: list[dict], anomalies: list[dict], hp: dict | None = None) -> str:
+    """`run` holds the row's fields (id, name, project, status, config, scale, summary, tags, notes);
+    `hp` its config's canonical_hparams where the caller has them."""
     lines = [f"run {run['name'] or run['id']} (id {run['id']}) in project {run['project']}; status {run['status']}"]
-    hp = canonical_hparams(run["config"])
+    hp = canonical_hparams(run["config"]) if hp is None else hp
     if hp:     # the vocabulary's names first, so cards from different sources read alike
         lines.append("hyperparameters: " + " ".join(f"{name}={fmt(v)}" for name, (_, v) in hp.items()))
     cfg = [f"{'.'.join(p)}={fmt(v)}" for p, v in leaves(run["config"]) if p and not isinstance(v, (dict, list))]

@@ -8,6 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kb import series
+
 Point = Sequence   # (step, value) or (step, value, wall_time); value None means NaN
 
 
@@ -19,10 +21,17 @@ class Curves:
     def __init__(self, metrics: dict[str, list[Point]]):
         self.metrics = metrics
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._tables: dict[str, np.ndarray | None] = {}
+
+    def table(self, key: str) -> np.ndarray | None:
+        """The curve as kb.series packs it (series.uniform_table), shared with the writer."""
+        if key not in self._tables:
+            self._tables[key] = series.uniform_table(self.metrics[key])
+        return self._tables[key]
 
     def arrays(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         if key not in self._arrays:
-            self._arrays[key] = _arrays(self.metrics[key])
+            self._arrays[key] = _arrays(self.metrics[key], self.table(key))
         return self._arrays[key]
 
 
@@ -100,9 +109,12 @@ def is_grad_norm(key: str) -> bool:
     return "grad" in k and "norm" in k
 
 
-def _arrays(points: list[Point]) -> tuple[np.ndarray, np.ndarray]:
-    steps = np.fromiter(map(itemgetter(0), points), dtype=np.int64, count=len(points))
-    values = np.array(list(map(itemgetter(1), points)), dtype=float)     # None becomes NaN
+def _arrays(points: list[Point], table: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    if table is not None:
+        steps, values = table[:, 0].astype(np.int64), table[:, 1].copy()
+    else:
+        steps = np.fromiter(map(itemgetter(0), points), dtype=np.int64, count=len(points))
+        values = np.array(list(map(itemgetter(1), points)), dtype=float)     # None becomes NaN
     if len(steps) > 1 and not (steps[1:] >= steps[:-1]).all():
         # stable, as sorting the points by step is: points logged twice at one step keep their order
         order = np.argsort(steps, kind="stable")

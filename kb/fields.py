@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 
 NAMESPACES = ("config", "summary", "scale", "stats", "hparams", "anomalies", "failure", "tags", "ablations")
@@ -90,18 +90,21 @@ def field_tuples(run_id: str, namespaces: dict[str, Any]) -> list[tuple]:
     through every level above it), with each path's key spelled once per process."""
     rows: list[tuple] = []
 
-    def walk(value: Any, path: tuple[str, ...]) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, path + (str(k),))
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(v, path + (str(i),))
-        elif len(path) > 1:                   # an empty namespace has no leaves
-            rows.append((run_id, _key(path), *typed(value)))
+    def walk(items: Iterable[tuple[Any, Any]], path: tuple[str, ...]) -> None:
+        # a leaf is appended here, not in a call of its own: most of the calls were leaves
+        for k, v in items:
+            if isinstance(v, dict):
+                walk(v.items(), path + (str(k),))
+            elif isinstance(v, (list, tuple)):
+                walk(enumerate(v), path + (str(k),))
+            else:
+                rows.append((run_id, _key(path + (str(k),)), *typed(v)))
 
-    for ns, value in namespaces.items():
-        walk(value, (ns,))
+    for ns, value in namespaces.items():        # a namespace that is a bare value has no leaves
+        if isinstance(value, dict):
+            walk(value.items(), (ns,))
+        elif isinstance(value, (list, tuple)):
+            walk(enumerate(value), (ns,))
     return rows
 
 

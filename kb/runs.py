@@ -101,8 +101,7 @@ def prepare_run(record: RunRecord, source_kind: str, source_uri: str) -> Prepare
     the promoted columns, the card. Raises ValueError for what no column can hold."""
     digest = content_hash(record, source_kind)
     run_id = run_id_for(record, source_kind, source_uri, digest)
-    metrics = {k: [tuple(p) for p in pts] for k, pts in record.metrics.items()}
-    cv = curves.Curves(metrics)         # each curve's arrays built once for all three
+    cv = curves.Curves(record.metrics)      # each curve converted once: stats, anomalies, failures, writer
     stats = curves.curve_stats(cv)
     findings = curves.find_anomalies(cv)
     failures = _failures(record, cv)
@@ -122,13 +121,13 @@ def prepare_run(record: RunRecord, source_kind: str, source_uri: str) -> Prepare
         tokens=scale.get("tokens"), flops=scale.get("flops"),
         source_kind=source_kind, source_uri=source_uri, content_hash=digest, ingested_at=utcnow(),
     )
-    row["card"] = run_card(row, failures, anomalies)
+    row["card"] = run_card(row, failures, anomalies, hp)
     namespaces = {"config": record.config, "summary": summary, "scale": scale, "stats": stats,
                   "anomalies": curves.anomaly_summary(findings),
                   "failure": {k: failures[0].get(k) for k in ("kind", "step")} if failures else {},
                   "tags": {t: True for t in record.tags}}
     return PreparedRun(run_id, digest, row, field_tuples(run_id, vocab.with_canonical(namespaces, hp)),
-                       series_rows(run_id, metrics), failures, anomalies)
+                       series_rows(run_id, cv), failures, anomalies)
 
 
 def write_run(session: Session, record: RunRecord, source_kind: str, source_uri: str) -> tuple[Outcome, str]:
@@ -183,9 +182,10 @@ def _clear(conn: Connection, run_id: str) -> None:
 SERIES_COLUMNS = ("run_id", "key", "seq") + series.Packed._fields
 
 
-def series_rows(run_id: str, metrics: dict[str, list[tuple]]) -> list[tuple]:
+def series_rows(run_id: str, cv: curves.Curves) -> list[tuple]:
     """MetricSeries rows: one per curve, its points packed (kb.series)."""
-    return [(run_id, key, i, *series.pack(pts)) for i, (key, pts) in enumerate(metrics.items()) if pts]
+    return [(run_id, key, i, *series.pack(pts, cv.table(key))) for i, (key, pts) in enumerate(cv.metrics.items())
+            if pts]
 
 
 def _failures(record: RunRecord, metrics: "dict | curves.Curves") -> list[dict]:

@@ -13,6 +13,7 @@ points that have none.
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -31,21 +32,37 @@ class Packed(NamedTuple):
     flag_bytes: bytes | None      # None: every point reads back from the arrays alone
 
 
-def pack(points: Sequence[Sequence]) -> Packed:
+def pack(points: Sequence[Sequence], table: np.ndarray | None = None) -> Packed:
     """Points as the record gives them, `[step, value]` or `[step, value, wall_time]`; steps
-    must fit a signed 64-bit integer (the record check holds them to 0..2^63-1)."""
-    return _pack_uniform(points) or _pack_any(points)
+    must fit a signed 64-bit integer (the record check holds them to 0..2^63-1). `table` is
+    `uniform_table(points)` where the caller has it already."""
+    if table is None:
+        table = uniform_table(points)
+    return _pack_any(points) if table is None else _pack_uniform(points, table)
 
 
-def _pack_uniform(points: Sequence[Sequence]) -> Packed | None:
-    """Most curves: every point the same length and every step exact as a double, so one
-    numpy conversion reads them all. None for any other curve."""
+def uniform_table(points: Sequence[Sequence]) -> np.ndarray | None:
+    """Most curves as one (points x 2 or 3) float array: every point the same length and every
+    step exact as a double (a None value is NaN). None for any other curve.
+
+    One flat pass over the items costs half of numpy's nested-sequence conversion; a None
+    stops it, and those curves take the nested one."""
+    widths = set(map(len, points))
+    if len(widths) != 1 or (width := widths.pop()) not in (2, 3):
+        return None
     try:
-        table = np.array(points, _FLOAT)          # a None becomes NaN; ragged points raise
-    except (ValueError, TypeError):
+        table = np.fromiter(chain.from_iterable(points), _FLOAT, len(points) * width).reshape(-1, width)
+    except TypeError:
+        try:
+            table = np.array(points, _FLOAT)
+        except (TypeError, ValueError):
+            return None
+    if table[:, 0].max() >= EXACT_STEPS:
         return None
-    if table.ndim != 2 or table.shape[1] not in (2, 3) or not len(table) or table[:, 0].max() >= EXACT_STEPS:
-        return None
+    return table
+
+
+def _pack_uniform(points: Sequence[Sequence], table: np.ndarray) -> Packed:
     values = table[:, 1]
     flags = None
     nan = np.flatnonzero(np.isnan(values))

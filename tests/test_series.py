@@ -40,10 +40,15 @@ def test_plain_curves_store_no_flags():
 def test_uniform_and_general_paths_agree():
     """The one-conversion path (uniform points, steps below 2^53) and the general one store the
     same bytes; a step past 2^53 takes the general path and keeps every digit."""
-    curves = [[[0, 1.5], [1, None], [2, float("nan")], [3, float("inf")]],
-              [[0, 1.5, 10.0], [1, None, None], [2, float("nan"), 12.5]]]
+    curves = [[[0, 1.5], [1, None], [2, float("nan")], [3, float("inf")]],        # a None: the nested conversion
+              [[0, 1.5, 10.0], [1, None, None], [2, float("nan"), 12.5]],
+              [[0, 1.5, 10.0], [1, 2.5, 11.0], [2, float("nan"), 12.5]]]        # none: the flat one
     for curve in curves:
-        assert series._pack_uniform(curve) == series._pack_any(curve)
+        table = series.uniform_table(curve)
+        assert table is not None and series._pack_uniform(curve, table) == series._pack_any(curve)
     big = [[2**53 + 1, 1.0], [2**63 - 1, 2.0]]
-    assert series._pack_uniform(big) is None
+    assert series.uniform_table(big) is None
+    # mixed widths never make a table, even where their items add up to a whole number of rows
+    assert series.uniform_table([[0, 1.0, 5.0], [1, 2.0], [2, 3.0, 6.0, 7.0]]) is None
+    assert series.uniform_table([[0, 1.0, 5.0], [1, 2.0]]) is None
     assert [p[0] for p in series.unpack(*series.pack(big)[1:])] == [2**53 + 1, 2**63 - 1]
