@@ -20,6 +20,7 @@ also what a project mostly made of queued runs gets (a bulk load of a new projec
 from __future__ import annotations
 
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 from sqlalchemy import and_, delete, func, insert, select, text, update
@@ -144,12 +145,18 @@ def rebuild(conn: Connection, project: str) -> list[dict]:
     equals); returns them."""
     runs = conn.execute(select(*_READ).where(_RUNS.c.project == project)).all()
     ids = [r.id for r in runs]
-    for chunk in chunked(ids):
-        conn.execute(delete(_SIG).where(_SIG.c.run_id.in_(chunk)))
-    known: dict = {}
-    _write_sigs(conn, group_runs(project, runs, known))
     old = set(conn.execute(select(_ABL.c.id).where(_ABL.c.project == project)).scalars())
-    found = find_ablations(project, runs, known)
+    known: dict = {}
+    configs = group_runs(project, runs, known)
+    # the bucket rows are written by a thread while this one finds the ablations: the database
+    # does most of that writing without the GIL (the server's work on Postgres, SQLite's b-tree
+    # inserts), so both cores work. Nothing else touches `conn` until it is done.
+    with ThreadPoolExecutor(1, thread_name_prefix="kb-sigs") as pool:
+        writing = pool.submit(_rewrite_sigs, conn, ids, configs)
+        try:
+            found = find_ablations(project, runs, known)
+        finally:
+            writing.result()
     _replace(conn, old, found, set(ids))
     return found
 
@@ -332,6 +339,12 @@ class _Refresh:
 
 
 # ---- writes -----------------------------------------------------------------------------------
+
+
+def _rewrite_sigs(conn: Connection, ids: list[str], configs: list[Config]) -> None:
+    for chunk in chunked(ids):
+        conn.execute(delete(_SIG).where(_SIG.c.run_id.in_(chunk)))
+    _write_sigs(conn, configs)
 
 
 def _write_sigs(conn: Connection, configs: list[Config]) -> None:
