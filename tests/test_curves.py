@@ -199,3 +199,22 @@ def test_the_cheap_bound_never_clears_a_curve_the_full_noise_would_flag(seed):
             assert (z <= threshold).all()
         elif (resid / rough.floor() > threshold).sum() * rough.window <= 4 * len(y):
             assert (z > threshold).any()                # few candidates: the answer is exact both ways
+
+
+def test_arrays_from_the_shared_table_equal_the_point_by_point_ones():
+    """Curves takes a curve's arrays from the float table the writer packs (kb.series) where the
+    curve has one: the same arrays as converting point by point, ties kept in logged order."""
+    from kb.curves import Curves, _arrays
+    curves = {"flat": [(5, 2.0, 1.0), (3, 1.5, 2.0), (5, 1.0, 3.0), (1, math.nan, 4.0), (3, 0.5, 5.0)],
+              "a None": [(2, 1.0), (1, None), (0, 3.0)],
+              "big steps": [(2**53 + 1, 1.0), (7, 2.0)]}
+    cv = Curves(curves)
+    assert cv.table("flat") is not None and cv.table("a None") is not None and cv.table("big steps") is None
+    for key, points in curves.items():
+        steps, values = cv.arrays(key)
+        want_steps, want_values = _arrays(points, None)
+        assert steps.dtype == want_steps.dtype == np.int64
+        assert steps.tolist() == want_steps.tolist() and np.array_equal(values, want_values, equal_nan=True)
+    steps, values = cv.arrays("flat")
+    assert steps.tolist() == [1, 3, 3, 5, 5] and values.tolist()[1:] == [1.5, 0.5, 2.0, 1.0]
+    assert cv.arrays("big steps")[0].tolist() == [7, 2**53 + 1]
