@@ -40,6 +40,8 @@ ABLATION_FIELDS = and_(codepoint(RunField.key) >= "ablations.", codepoint(RunFie
 LOCK_KEY = 7243002          # Postgres advisory lock of the refresh (7243001 guards migrations)
 REFRESH_BATCH = 500         # queued runs per refresh transaction (~1 s: 2 ms a run at 10,000 runs)
 WHOLE_REBUILD_MAX = 5000    # runs in a project rebuilt whole in one transaction (~0.7 ms a run)
+THREADED_REBUILD_MIN = 500  # runs from which a rebuild writes its bucket rows from a thread (at 100
+                            # runs the thread cost SQLite more than it saved; at 500, 10% less: ingest_cpu.py)
 
 _RUNS = Run.__table__
 _ABL = Ablation.__table__
@@ -148,15 +150,19 @@ def rebuild(conn: Connection, project: str) -> list[dict]:
     old = set(conn.execute(select(_ABL.c.id).where(_ABL.c.project == project)).scalars())
     known: dict = {}
     configs = group_runs(project, runs, known)
-    # the bucket rows are written by a thread while this one finds the ablations: the database
-    # does most of that writing without the GIL (the server's work on Postgres, SQLite's b-tree
-    # inserts), so both cores work. Nothing else touches `conn` until it is done.
-    with ThreadPoolExecutor(1, thread_name_prefix="kb-sigs") as pool:
-        writing = pool.submit(_rewrite_sigs, conn, ids, configs)
-        try:
-            found = find_ablations(project, runs, known)
-        finally:
-            writing.result()
+    if len(runs) < THREADED_REBUILD_MIN:
+        _rewrite_sigs(conn, ids, configs)
+        found = find_ablations(project, runs, known)
+    else:
+        # the bucket rows are written by a thread while this one finds the ablations: the database
+        # does most of that writing without the GIL (the server's work on Postgres, SQLite's
+        # b-tree inserts), so both cores work. Nothing else touches `conn` until it is done.
+        with ThreadPoolExecutor(1, thread_name_prefix="kb-sigs") as pool:
+            writing = pool.submit(_rewrite_sigs, conn, ids, configs)
+            try:
+                found = find_ablations(project, runs, known)
+            finally:
+                writing.result()
     _replace(conn, old, found, set(ids))
     return found
 

@@ -166,12 +166,15 @@ def reference(runs: list[dict]) -> set[tuple]:
     return out
 
 
-@pytest.mark.parametrize("rebuild_max", [0, 5000], ids=["incremental", "whole-when-mostly-new"])
+# the incremental refresh against a rebuild that writes its bucket rows from a thread (as a
+# project of THREADED_REBUILD_MIN runs does), and a whole rebuild against one that does not
+@pytest.mark.parametrize("rebuild_max,threaded_min", [(0, 0), (5000, 10**9)], ids=["incremental", "whole-when-mostly-new"])
 @hsettings(max_examples=examples(15), deadline=None, suppress_health_check=list(HealthCheck))
 @given(history=histories())
-def test_incremental_refresh_equals_recomputation(kb, history, rebuild_max, monkeypatch):
+def test_incremental_refresh_equals_recomputation(kb, history, rebuild_max, threaded_min, monkeypatch):
     import kb.ablation_store as store
     monkeypatch.setattr(store, "WHOLE_REBUILD_MAX", rebuild_max)    # 0: never rebuilt whole
+    monkeypatch.setattr(store, "THREADED_REBUILD_MIN", threaded_min)
     with kb.engine.begin() as conn:          # one database for every example: start each empty
         for table in ("ablationrun", "ablation", "ablationsig", "ablationpending", "runfield", "run"):
             conn.execute(text(f"DELETE FROM {table}"))
