@@ -52,7 +52,7 @@ def uniform_table(points: Sequence[Sequence]) -> np.ndarray | None:
         return None
     try:
         table = np.fromiter(chain.from_iterable(points), _FLOAT, len(points) * width).reshape(-1, width)
-    except TypeError:
+    except (TypeError, ValueError):       # a None; anything no float reads fails below as it did
         try:
             table = np.array(points, _FLOAT)
         except (TypeError, ValueError):
