@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -33,17 +32,17 @@ REBUILT = ("gpt-small", "lr-sweep", "distill")
 
 
 def child_prepare(n: int, passes: int) -> dict:
+    from ingest_scale import write
     from synth import make_runs
 
     from ingest.native import NativeIngester
     from kb.runs import prepare_run
-    path = Path(tempfile.mkdtemp()) / "runs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in make_runs(n)))
+    path = write(Path(tempfile.mkdtemp()) / "runs.jsonl", make_runs(n))
     reader = NativeIngester()
 
     def once() -> float:
         t = time.process_time()
-        for item in reader.read(str(path)):
+        for item in reader.read(path):
             prepare_run(item.record, item.source_kind, item.source_uri)
         return time.process_time() - t
     once()          # imports, caches
@@ -51,20 +50,11 @@ def child_prepare(n: int, passes: int) -> dict:
 
 
 def child_rebuild(n: int, passes: int, postgres: str | None) -> dict:
+    from ingest_scale import knowledge_base
     from scale_runs import make_run
-    from sqlalchemy import create_engine, text
 
     from kb import ablation_store
-    from kb.api import KnowledgeBase
-    from kb.settings import Settings
-    url, schema = None, None
-    if postgres:
-        schema = "bench_" + uuid.uuid4().hex[:12]
-        with create_engine(postgres).begin() as c:
-            c.execute(text(f'CREATE SCHEMA "{schema}"'))
-        url = f"{postgres}{'&' if '?' in postgres else '?'}options=-csearch_path%3D{schema}"
-    k = KnowledgeBase.open(Settings(home=Path(tempfile.mkdtemp()) / "kb", database_url=url))
-    try:
+    with knowledge_base(Path(tempfile.mkdtemp()), "kb", postgres) as k:
         for start in range(0, n, 1000):
             k.ingest_records([make_run(i) for i in range(start, min(n, start + 1000))], index=False)
 
@@ -78,11 +68,6 @@ def child_rebuild(n: int, passes: int, postgres: str | None) -> dict:
             return time.perf_counter() - t
         once()
         return {"rebuild_s": round(min(once() for _ in range(passes)), 4)}
-    finally:
-        k.close()
-        if schema:
-            with create_engine(postgres).begin() as c:
-                c.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
 
 
 def run_child(root: Path, args, what: str) -> dict:

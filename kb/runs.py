@@ -184,7 +184,7 @@ SERIES_COLUMNS = ("run_id", "key", "seq") + series.Packed._fields
 
 def series_rows(run_id: str, cv: curves.Curves) -> list[tuple]:
     """MetricSeries rows: one per curve, its points packed (kb.series)."""
-    return [(run_id, key, i, *series.pack(pts, cv.table(key))) for i, (key, pts) in enumerate(cv.metrics.items())
+    return [(run_id, key, i, *series.pack_table(pts, cv.table(key))) for i, (key, pts) in enumerate(cv.metrics.items())
             if pts]
 
 

@@ -32,12 +32,14 @@ class Packed(NamedTuple):
     flag_bytes: bytes | None      # None: every point reads back from the arrays alone
 
 
-def pack(points: Sequence[Sequence], table: np.ndarray | None = None) -> Packed:
+def pack(points: Sequence[Sequence]) -> Packed:
     """Points as the record gives them, `[step, value]` or `[step, value, wall_time]`; steps
-    must fit a signed 64-bit integer (the record check holds them to 0..2^63-1). `table` is
-    `uniform_table(points)` where the caller has it already."""
-    if table is None:
-        table = uniform_table(points)
+    must fit a signed 64-bit integer (the record check holds them to 0..2^63-1)."""
+    return pack_table(points, uniform_table(points))
+
+
+def pack_table(points: Sequence[Sequence], table: np.ndarray | None) -> Packed:
+    """`pack(points)` for a caller that has `uniform_table(points)` already (None: the curve has none)."""
     return _pack_any(points) if table is None else _pack_uniform(points, table)
 
 
