@@ -87,7 +87,7 @@ def refresh(conn: Connection, limit: int | None = None, bulk: bool = False) -> i
     size, one project a call (a rebuild of a big project is a transaction of its own)."""
     if conn.execute(select(_QUEUE.c.id).limit(1)).first() is None:
         return 0                    # nothing queued: no lock taken (another writer may hold it)
-    _lock(conn)
+    lock_refresh(conn)
     stmt = select(_QUEUE.c.id, _QUEUE.c.run_id, _QUEUE.c.project).order_by(_QUEUE.c.id)
     queued = conn.execute(stmt.limit(limit) if limit else stmt).all()
     if not queued:
@@ -99,8 +99,11 @@ def refresh(conn: Connection, limit: int | None = None, bulk: bool = False) -> i
         # one big project a transaction: the others' entries stay queued for the next call
         project = min(mostly_new)
         rebuild(conn, project)
+        moved_in = held_elsewhere(conn, project)
+        if moved_in:
+            _Refresh(conn, {project}).run(moved_in)
         taken = [q.id for q in queued if q.project == project] + taken_with[project]
-        _delete_entries(conn, taken)
+        delete_entries(conn, taken)
         return len(taken)
     whole |= mostly_new
     for project in sorted(whole):
@@ -109,11 +112,12 @@ def refresh(conn: Connection, limit: int | None = None, bulk: bool = False) -> i
         _Refresh(conn, whole).run(runs)
     # exactly the entries read: one queued meanwhile by a writer that committed after the read
     # (ids are not committed in order on Postgres) stays for the next refresh
-    _delete_entries(conn, [q.id for q in queued] + [i for p in sorted(mostly_new) for i in taken_with[p]])
+    delete_entries(conn, [q.id for q in queued] + [i for p in sorted(mostly_new) for i in taken_with[p]])
     return len(queued)
 
 
-def _delete_entries(conn: Connection, ids: list[int]) -> None:
+def delete_entries(conn: Connection, ids: list[int]) -> None:
+    """Queue entries taken: exactly these, not whatever was queued meanwhile."""
     for chunk in chunked(sorted(set(ids))):
         conn.execute(delete(_QUEUE).where(_QUEUE.c.id.in_(chunk)))
 
@@ -167,7 +171,18 @@ def rebuild(conn: Connection, project: str) -> list[dict]:
     return found
 
 
-def _lock(conn: Connection) -> None:
+def held_elsewhere(conn: Connection, project: str) -> set[str]:
+    """The project's runs that an ablation of another project holds: runs that moved here since
+    that ablation was found. A rebuild of this project leaves them there; the incremental
+    refresh of those runs takes them out."""
+    stmt = (select(_MEMBER.c.run_id).join(_RUNS, _RUNS.c.id == _MEMBER.c.run_id)
+            .join(_ABL, _ABL.c.id == _MEMBER.c.ablation_id)
+            .where(_RUNS.c.project == project, _ABL.c.project != project).distinct())
+    return set(conn.execute(stmt).scalars())
+
+
+def lock_refresh(conn: Connection) -> None:
+    """Hold the refresh's lock until the transaction ends: one refresh at a time."""
     if conn.dialect.name == "postgresql":
         conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": LOCK_KEY})
     else:

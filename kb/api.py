@@ -140,8 +140,9 @@ class KnowledgeBase:
         Inside the block runs are stored and queryable at once; their ablations (and the
         `ablations.*` fields) appear at its end. The refresh there rebuilds each project that is
         mostly new whole, one transaction a project, whatever its size (90,000 runs of dense
-        sweeps into a Postgres store of 10,000: 275 s in a block, 387 s call by call). On
-        SQLite that transaction holds the write lock while it runs (seconds for 10,000 runs).
+        sweeps into a Postgres store of 10,000: 275 s in a block, 387 s call by call); on
+        Postgres two projects at a time (kb.ablation_bulk). On SQLite that transaction holds
+        the write lock while it runs (seconds for 10,000 runs).
         Calls from other threads sharing this KnowledgeBase (a server's) are not deferred."""
         me = threading.get_ident()
         if me in self._bulk:
@@ -170,8 +171,12 @@ class KnowledgeBase:
     def _upkeep(self, written: int, index: bool, bulk: bool = False) -> None:
         """What follows the runs' commit: their ablations (and what a crash left queued), the
         tables' upkeep after many runs, the vector index."""
+        from kb.ablation_bulk import refresh_bulk
         from kb.ablation_store import refresh_all
-        refresh_all(self.engine, bulk)
+        if bulk:
+            refresh_bulk(self.engine)
+        else:
+            refresh_all(self.engine)
         if written >= ANALYZE_AFTER:
             maintain_after_bulk_load(self.engine, written)
         if index:

@@ -1,6 +1,7 @@
 """Ablations found on ingest: one-key differences, seed spread, tag ablations; shown and queryable."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -167,20 +168,25 @@ def reference(runs: list[dict]) -> set[tuple]:
 
 
 # the incremental refresh against a rebuild that writes its bucket rows from a thread (as a
-# project of THREADED_REBUILD_MIN runs does), and a whole rebuild against one that does not
-@pytest.mark.parametrize("rebuild_max,threaded_min", [(0, 0), (5000, 10**9)], ids=["incremental", "whole-when-mostly-new"])
+# project of THREADED_REBUILD_MIN runs does), a whole rebuild against one that does not, and
+# each batch as a bulk load (every project mostly queued is rebuilt, side by side on Postgres)
+@pytest.mark.parametrize("rebuild_max,threaded_min,bulk", [(0, 0, False), (5000, 10**9, False), (0, 10**9, True)],
+                         ids=["incremental", "whole-when-mostly-new", "bulk"])
 @hsettings(max_examples=examples(15), deadline=None, suppress_health_check=list(HealthCheck))
 @given(history=histories())
-def test_incremental_refresh_equals_recomputation(kb, history, rebuild_max, threaded_min, monkeypatch):
+def test_incremental_refresh_equals_recomputation(kb, history, rebuild_max, threaded_min, bulk, monkeypatch):
     import kb.ablation_store as store
+    import kb.ablation_bulk as side_by_side
     monkeypatch.setattr(store, "WHOLE_REBUILD_MAX", rebuild_max)    # 0: never rebuilt whole
     monkeypatch.setattr(store, "THREADED_REBUILD_MIN", threaded_min)
+    monkeypatch.setattr(side_by_side, "SIDE_BY_SIDE_MIN", 1)
     with kb.engine.begin() as conn:          # one database for every example: start each empty
         for table in ("ablationrun", "ablation", "ablationsig", "ablationpending", "runfield", "run"):
             conn.execute(text(f"DELETE FROM {table}"))
     latest: dict[str, dict] = {}
     for batch in history:
-        report = kb.ingest_records(batch, index=False)
+        with kb.bulk() if bulk else contextlib.nullcontext():
+            report = kb.ingest_records(batch, index=False)
         assert report.failed == []
         for r in batch:
             latest[r["id"]] = r
@@ -250,6 +256,71 @@ def test_a_project_mostly_queued_is_rebuilt_whole_in_one_refresh(kb, tmp_path):
     for project in ("fresh", "p"):
         state = _state(kb, project)
         assert state["ablations"] and state == _rebuilt(kb, project)
+
+
+def test_a_run_moved_into_a_project_a_bulk_load_rebuilds_leaves_its_old_ablations(kb):
+    """The rebuild of the project a run moved to leaves the old project's ablations alone; the
+    run's membership there is refreshed away all the same."""
+    with kb.bulk():
+        kb.ingest_records([run("a1", 3.0), run("a2", 2.9, lr=1e-3), run("a3", 2.8, lr=2e-3)], index=False)
+    with kb.bulk():     # "b" is all new: rebuilt whole
+        kb.ingest_records([run("a1", 3.0, project="b"), run("b2", 2.9, lr=1e-3, project="b"),
+                           run("b3", 2.9, lr=3e-3, project="b")], index=False)
+    [old] = _state(kb, "p")["ablations"].values()
+    assert sorted(r for v in old["variants"] for r in v["runs"]) == ["a2", "a3"]
+    assert _state(kb, "p") == _rebuilt(kb, "p") and _state(kb, "b") == _rebuilt(kb, "b")
+    [held] = kb.run("a1").ablations
+    assert {r for v in held["variants"] for r in v["runs"]} == {"a1", "b2", "b3"}
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["processes", "threads"])
+def test_big_projects_of_a_bulk_load_are_rebuilt_side_by_side_on_postgres(kb, monkeypatch, tmp_path, forked):
+    """Postgres: two workers (forked processes, or threads where a fork is unsafe) rebuild the big
+    mostly-new projects; one linked to another by a moved run, and one whose rebuild failed
+    there, are rebuilt after, alone. SQLite: one at a time. Either way, as a serial rebuild."""
+    import os
+    import threading
+
+    import kb.ablation_bulk as side_by_side
+    import kb.ablation_store as store
+    from sqlalchemy.exc import IntegrityError
+    monkeypatch.setattr(side_by_side, "SIDE_BY_SIDE_MIN", 20)
+    safe = side_by_side.fork_is_safe
+    monkeypatch.setattr(side_by_side, "fork_is_safe", lambda: forked and safe())
+    with kb.bulk():
+        kb.ingest_records(_sweep("old-", 30, "old"), index=False)
+    assert kb.run("old-5").ablations
+    log = tmp_path / "rebuilds.txt"              # written by the workers, whichever process they are
+    here, inner = os.getpid(), store.rebuild
+
+    def rebuild(conn, project):
+        beside = os.getpid() != here or threading.current_thread().name.startswith("kb-rebuild")
+        with open(log, "a") as f:
+            f.write(f"{project} {beside} {os.getpid()}\n")
+        if project == "conflict" and beside:
+            raise IntegrityError("COPY runfield", None, Exception("duplicate key"))     # as a writer's would
+        return inner(conn, project)
+    monkeypatch.setattr(side_by_side, "rebuild", rebuild)
+    monkeypatch.setattr(store, "rebuild", rebuild)
+    with kb.bulk():
+        moved = run("old-5", 2.5, lr=1e-4, seed=99, project="moved-to")       # an "old" run until now
+        kb.ingest_records(_sweep("x-", 40, "x") + _sweep("y-", 30, "y") + _sweep("c-", 25, "conflict")
+                          + _sweep("m-", 30, "moved-to") + [moved] + _sweep("s-", 5, "small"), index=False)
+    projects = ("x", "y", "conflict", "moved-to", "old", "small")
+    rebuilt = [line.split() for line in log.read_text().splitlines()]
+    how = {p: [beside == "True" for q, beside, _ in rebuilt if q == p] for p in projects}
+    if kb.engine.dialect.name == "postgresql":
+        assert how["x"] == how["y"] == [True] and how["conflict"] == [True, False]     # redone alone
+        assert {pid != str(here) for _, beside, pid in rebuilt if beside == "True"} == {forked}
+    else:
+        assert how["x"] == how["y"] == how["conflict"] == [False]
+    assert how["moved-to"] == how["small"] == [False] and how["old"] == []
+    with kb.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM ablationpending")).scalar() == 0
+    monkeypatch.setattr(store, "rebuild", inner)
+    for project in projects:
+        assert _state(kb, project) == _rebuilt(kb, project), project
+    assert "old-5" not in {r for a in _state(kb, "old")["ablations"].values() for v in a["variants"] for r in v["runs"]}
 
 
 def test_a_queued_project_is_recomputed_whole(kb, tmp_path):
