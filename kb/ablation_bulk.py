@@ -2,7 +2,8 @@
 
 A bulk load's refresh (kb.ablation_store.refresh_all with `bulk`) rebuilds each mostly-queued
 project whole, one after another, and one core idles: a rebuild is two thirds Python (finding
-the ablations) and a third the server's (COPY of bucket, ablation and field rows). Here two
+the ablations) and a third the server's (COPY of bucket, ablation and field rows; at 1,000 runs
+a project, 8.3 s of this process's CPU in a 12.3 s refresh). Here two
 forked processes rebuild two projects at a time, each in a transaction of its own, while the
 calling process holds the refresh's lock. Where a fork is unsafe (other threads running: a
 server) two threads do it instead, which gains less: their Python shares one GIL.
@@ -27,7 +28,7 @@ import threading
 from collections import defaultdict
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, union
 from sqlalchemy.engine import Connection, Engine
 
 from kb.ablation_store import delete_entries, lock_refresh, rebuild, refresh_all
@@ -63,7 +64,8 @@ def _side_by_side(engine: Engine) -> int:
                                   .group_by(_RUNS.c.project)).all())
         chosen = [p for p, ids in entries.items() if sizes.get(p, 0) >= SIDE_BY_SIDE_MIN and 2 * len(ids) >= sizes[p]]
         if len(chosen) >= 2:
-            chosen = [p for p in chosen if p not in _linked_by_moved_runs(conn)]
+            linked = _linked_by_moved_runs(conn, chosen)
+            chosen = [p for p in chosen if p not in linked]
         if len(chosen) < 2:
             return 0
         chosen.sort(key=lambda p: -sizes[p])           # the biggest first: the workers end closer together
@@ -113,12 +115,15 @@ def _entries_by_project(conn: Connection) -> dict[str, list[int]]:
     return out
 
 
-def _linked_by_moved_runs(conn: Connection) -> set[str]:
-    """Projects holding a run in an ablation of another project, and those other projects."""
-    stmt = (select(_RUNS.c.project, _ABL.c.project).select_from(_MEMBER)
-            .join(_RUNS, _RUNS.c.id == _MEMBER.c.run_id).join(_ABL, _ABL.c.id == _MEMBER.c.ablation_id)
-            .where(_RUNS.c.project != _ABL.c.project).distinct())
-    return {p for pair in conn.execute(stmt) for p in pair}
+def _linked_by_moved_runs(conn: Connection, projects: list[str]) -> set[str]:
+    """Those of the projects whose runs an ablation of another project holds, or whose ablations
+    hold a run of another project; read from the projects' own runs and ablations, not the store."""
+    pair = (_RUNS.c.project, _ABL.c.project)
+    links = _MEMBER.join(_RUNS, _RUNS.c.id == _MEMBER.c.run_id).join(_ABL, _ABL.c.id == _MEMBER.c.ablation_id)
+    crossing = _RUNS.c.project != _ABL.c.project
+    stmt = union(select(*pair).select_from(links).where(_RUNS.c.project.in_(projects), crossing),
+                 select(*pair).select_from(links).where(_ABL.c.project.in_(projects), crossing))
+    return {p for row in conn.execute(stmt) for p in row} & set(projects)
 
 
 def _rebuild(engine: Engine, project: str, entry_ids: list[int]) -> int:

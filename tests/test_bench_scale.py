@@ -1,6 +1,7 @@
 """benchmarks/scale.py at a tiny size (100 then 200 runs of 20 points, SQLite only, no MLflow):
 its JSON's shape, that the filters select about the fractions they are named for, that the
-planner answered every question, that the index holds every run, and that the plot is written.
+planner answered every question, that the index holds every run, and that the plot is written;
+benchmarks/bulk_end.py at its smallest size, on Postgres where the suite has one.
 
     pytest tests/test_bench_scale.py -q
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +44,7 @@ def test_scale_benchmark_prints_its_figures_as_json(tmp_path, capsys, monkeypatc
     assert [s["runs"] for s in steps] == [100, 200]
     for step in steps:
         assert step["ingest"]["runs"] == 100 and step["ingest"]["points_per_s"] > 0
+        assert 0 <= step["ingest"]["end_seconds"] <= step["ingest"]["seconds"]
         assert set(step["query"]) == set(FILTERS)
         assert all(q["p50_ms"] > 0 and q["p95_ms"] >= q["p50_ms"] for q in step["query"].values())
         assert 0.3 < step["query"]["50%"]["fraction"] < 0.7
@@ -83,3 +86,16 @@ def test_growth_fits_log_linear_and_flags_faster_than_log_n():
     linear = scale.growth(steps([1.0, 10.0, 100.0]))["runs_p50_ms[1%]"]
     assert linear["power_exponent"] == pytest.approx(1.0) and not linear["within_log_n"]
     assert linear["power_law_at_1m"] == pytest.approx(1000.0)
+
+
+@pytest.mark.skipif(not os.environ.get("KB_TEST_DATABASE_URL"), reason="bulk_end.py measures Postgres only")
+def test_bulk_end_benchmark_prints_both_ways_and_their_ratio(capsys, monkeypatch):
+    import bulk_end
+    monkeypatch.setattr(sys, "argv", ["bulk_end.py", "--postgres", os.environ["KB_TEST_DATABASE_URL"],
+                                      "--runs-per-project", "100", "--repeats", "1", "--json"])
+    bulk_end.main()
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    [size] = out["sizes"]
+    assert size["runs_per_project"] == 100 and size["projects"] == 12
+    assert size["one at a time"] > 0 and size["side by side"] > 0
+    assert size["ratio"] == pytest.approx(size["one at a time"] / size["side by side"], rel=0.01)
