@@ -3,10 +3,10 @@
 A bulk load's refresh (kb.ablation_store.refresh_all with `bulk`) rebuilds each mostly-queued
 project whole, one after another, and one core idles: a rebuild is two thirds Python (finding
 the ablations) and a third the server's (COPY of bucket, ablation and field rows; at 1,000 runs
-a project, 8.3 s of this process's CPU in a 12.3 s refresh). Here two
-forked processes rebuild two projects at a time, each in a transaction of its own, while the
-calling process holds the refresh's lock. Where a fork is unsafe (other threads running: a
-server) two threads do it instead, which gains less: their Python shares one GIL.
+a project, 8.3 s of this process's CPU in a 12.3 s refresh). Here two forked processes rebuild
+two projects at a time, each in a transaction of its own, while the calling process holds the
+refresh's lock. Where a fork is unsafe (other threads running: a server) two threads do it
+instead, which gains less: their Python shares one GIL.
 
 Two rebuilds write disjoint rows: an ablation's id names its project, and bucket, membership
 and field rows belong to one run, which is in one project. A run that moved between projects
@@ -27,12 +27,14 @@ import signal
 import threading
 from collections import defaultdict
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from functools import partial
 
-from sqlalchemy import func, select, union
+from sqlalchemy import func, select
 from sqlalchemy.engine import Connection, Engine
 
-from kb.ablation_store import delete_entries, lock_refresh, rebuild, refresh_all
-from kb.models import Ablation, AblationPending, AblationRun, Run
+from kb.ablation_store import (delete_entries, linked_by_moved_runs, lock_refresh, mostly_queued, rebuild,
+                               refresh_all)
+from kb.models import AblationPending, Run
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,6 @@ SIDE_BY_SIDE_MIN = 100      # runs in a project from which its rebuild runs besi
 WORKERS = 2                 # the cores here; the server's share of a rebuild runs beside them
 
 _RUNS = Run.__table__
-_ABL = Ablation.__table__
-_MEMBER = AblationRun.__table__
 _QUEUE = AblationPending.__table__
 
 
@@ -62,9 +62,10 @@ def _side_by_side(engine: Engine) -> int:
         entries = _entries_by_project(conn)
         sizes = dict(conn.execute(select(_RUNS.c.project, func.count()).where(_RUNS.c.project.in_(sorted(entries)))
                                   .group_by(_RUNS.c.project)).all())
-        chosen = [p for p, ids in entries.items() if sizes.get(p, 0) >= SIDE_BY_SIDE_MIN and 2 * len(ids) >= sizes[p]]
+        chosen = [p for p, ids in entries.items()
+                  if sizes.get(p, 0) >= SIDE_BY_SIDE_MIN and mostly_queued(len(ids), sizes[p])]
         if len(chosen) >= 2:
-            linked = _linked_by_moved_runs(conn, chosen)
+            linked = linked_by_moved_runs(conn, chosen)
             chosen = [p for p in chosen if p not in linked]
         if len(chosen) < 2:
             return 0
@@ -74,19 +75,19 @@ def _side_by_side(engine: Engine) -> int:
 
 def _run_all(engine: Engine, work: list[tuple[str, list[int]]]) -> int:
     """Each (project, its entry ids) rebuilt by a worker; the entries taken."""
-    forked = fork_is_safe()
     pool: Executor
-    if forked:
+    if fork_is_safe():
         pool = ProcessPoolExecutor(WORKERS, multiprocessing.get_context("fork"), _start_worker, (engine,))
+        task = _rebuild_in_worker
     else:
         pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kb-rebuild")
+        task = partial(_rebuild, engine)
     with pool:
         # forked children inherit this heap frozen: their collector never walks it, which would
         # write to, and so copy, every page they share with this process
         gc.freeze()
         try:
-            futures = [pool.submit(_rebuild_in_worker, p, ids) if forked else pool.submit(_rebuild, engine, p, ids)
-                       for p, ids in work]
+            futures = [pool.submit(task, p, ids) for p, ids in work]
         finally:
             gc.unfreeze()
         taken = 0
@@ -113,17 +114,6 @@ def _entries_by_project(conn: Connection) -> dict[str, list[int]]:
     for entry_id, project in conn.execute(select(_QUEUE.c.id, _QUEUE.c.project).where(_QUEUE.c.run_id.is_(None))):
         out[project].append(entry_id)
     return out
-
-
-def _linked_by_moved_runs(conn: Connection, projects: list[str]) -> set[str]:
-    """Those of the projects whose runs an ablation of another project holds, or whose ablations
-    hold a run of another project; read from the projects' own runs and ablations, not the store."""
-    pair = (_RUNS.c.project, _ABL.c.project)
-    links = _MEMBER.join(_RUNS, _RUNS.c.id == _MEMBER.c.run_id).join(_ABL, _ABL.c.id == _MEMBER.c.ablation_id)
-    crossing = _RUNS.c.project != _ABL.c.project
-    stmt = union(select(*pair).select_from(links).where(_RUNS.c.project.in_(projects), crossing),
-                 select(*pair).select_from(links).where(_ABL.c.project.in_(projects), crossing))
-    return {p for row in conn.execute(stmt) for p in row} & set(projects)
 
 
 def _rebuild(engine: Engine, project: str, entry_ids: list[int]) -> int:

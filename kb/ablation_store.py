@@ -23,7 +23,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-from sqlalchemy import and_, delete, func, insert, select, text, update
+from sqlalchemy import and_, delete, func, insert, select, text, union, update
 from sqlalchemy.engine import Connection, Engine
 
 from kb.ablations import (RUN_FIELDS, TAG, Config, bucket_ablations, covered_by, find_ablations, group_runs, name_of,
@@ -142,8 +142,13 @@ def _mostly_queued(conn: Connection, runs: set[str], rebuild_max: int | None) ->
     queued_in: dict[str, list[int]] = defaultdict(list)
     for entry_id, project in pending:
         queued_in[project].append(entry_id)
-    chosen = {p for p in small if 2 * len(queued_in[p]) >= sizes[p]}
+    chosen = {p for p in small if mostly_queued(len(queued_in[p]), sizes[p])}
     return chosen, {p: queued_in[p] for p in chosen}
+
+
+def mostly_queued(entries: int, runs: int) -> bool:
+    """A project of `runs` runs with `entries` queue entries is rebuilt whole rather than refreshed."""
+    return 2 * entries >= runs
 
 
 def rebuild(conn: Connection, project: str) -> list[dict]:
@@ -171,14 +176,26 @@ def rebuild(conn: Connection, project: str) -> list[dict]:
     return found
 
 
+# memberships whose run is no longer in its ablation's project: the run moved since it was found
+_MEMBERS_FULL = _MEMBER.join(_RUNS, _RUNS.c.id == _MEMBER.c.run_id).join(_ABL, _ABL.c.id == _MEMBER.c.ablation_id)
+_MOVED = _RUNS.c.project != _ABL.c.project
+
+
 def held_elsewhere(conn: Connection, project: str) -> set[str]:
     """The project's runs that an ablation of another project holds: runs that moved here since
     that ablation was found. A rebuild of this project leaves them there; the incremental
     refresh of those runs takes them out."""
-    stmt = (select(_MEMBER.c.run_id).join(_RUNS, _RUNS.c.id == _MEMBER.c.run_id)
-            .join(_ABL, _ABL.c.id == _MEMBER.c.ablation_id)
-            .where(_RUNS.c.project == project, _ABL.c.project != project).distinct())
+    stmt = select(_MEMBER.c.run_id).select_from(_MEMBERS_FULL).where(_MOVED, _RUNS.c.project == project).distinct()
     return set(conn.execute(stmt).scalars())
+
+
+def linked_by_moved_runs(conn: Connection, projects: list[str]) -> set[str]:
+    """Those of the projects whose runs an ablation of another project holds, or whose ablations
+    hold a run of another project; read from the projects' own runs and ablations, not the store."""
+    pair = (_RUNS.c.project, _ABL.c.project)
+    stmt = union(select(*pair).select_from(_MEMBERS_FULL).where(_MOVED, _RUNS.c.project.in_(projects)),
+                 select(*pair).select_from(_MEMBERS_FULL).where(_MOVED, _ABL.c.project.in_(projects)))
+    return {p for row in conn.execute(stmt) for p in row} & set(projects)
 
 
 def lock_refresh(conn: Connection) -> None:
