@@ -39,7 +39,8 @@ from kb.models import AblationPending, Run
 log = logging.getLogger(__name__)
 
 SIDE_BY_SIDE_MIN = 100      # runs in a project from which its rebuild runs beside another's (12
-                            # projects of 100 runs: 0.68 s against 1.27 one after another)
+                            # projects of 100 runs: 0.673 s against 1.237 one after another,
+                            # benchmarks/bulk_end.py)
 WORKERS = 2                 # the cores here; the server's share of a rebuild runs beside them
 
 _RUNS = Run.__table__
