@@ -192,6 +192,26 @@ def test_failures_list_groups_by_kind_with_evidence_lines():
 
 # ---- in a browser ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("listed", ["kb-runs-table", "kb-failures-list"])
+def test_a_tabs_listings_run_one_at_a_time_in_the_order_they_came(tmp_path, listed):
+    """The page-load listing and a filter applied while it still runs write the same table: Gradio
+    runs events of different listeners side by side, so the load could finish last and overwrite
+    the filtered table (seen in CI: "4 runs" shown above all nine). One concurrency group of one
+    keeps them in arrival order (Gradio's queue takes a group's events first in, first out)."""
+    from kb.ui.app import build
+    kb = KnowledgeBase.open(Settings(home=tmp_path / "kb"))
+    try:
+        blocks = build(kb)
+        ids = {block._id for block in blocks.blocks.values() if getattr(block, "elem_id", None) == listed}
+        writers = [fn for fn in blocks.fns.values() if ids & {out._id for out in fn.outputs}]
+        assert {t for fn in writers for t in fn.targets if t[1] == "load"}, "no page-load listing"
+        assert len(writers) >= 3
+        assert {(fn.concurrency_id, fn.concurrency_limit) for fn in writers} == {(writers[0].concurrency_id, 1)}
+        assert writers[0].concurrency_id is not None
+    finally:
+        kb.close()
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     home = filled_home(tmp_path_factory.mktemp("ui-runs") / "home")

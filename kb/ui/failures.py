@@ -99,7 +99,9 @@ def build(ui) -> None:
                 counts_markdown(found["anomalies"], "Anomalies"), failures_markdown(fails), anomalies_markdown(anoms))
 
     outputs = [kind, failure_counts, anomaly_counts, failures, anomalies]
-    refresh.click(load, [kind, project], outputs)
-    kind.input(load, [kind, project], outputs)
-    project.submit(load, [kind, project], outputs)
-    gr.on(None, lambda: load(ALL, ""), None, outputs)       # on page load
+    # in the order they came, so the page-load listing cannot land after a choice made meanwhile
+    in_order = dict(concurrency_id="failures-listing", concurrency_limit=1)
+    refresh.click(load, [kind, project], outputs, **in_order)
+    kind.input(load, [kind, project], outputs, **in_order)
+    project.submit(load, [kind, project], outputs, **in_order)
+    gr.on(None, lambda: load(ALL, ""), None, outputs, **in_order)       # on page load

@@ -185,10 +185,13 @@ def build(ui) -> None:
         return show("run", str(row[0])) if row else {}
 
     listing = [problem, count, table, known, selected]
-    apply.click(search, [where, sort, limit], listing)
-    where.submit(search, [where, sort, limit], listing)
-    sort.submit(search, [where, sort, limit], listing)
-    gr.on(None, lambda: search("", "", LIMIT), None, listing)     # on page load
+    # one queue for every listing, one at a time, in the order they came: a filter applied while the
+    # page-load listing still runs would otherwise be overwritten by it when that finishes last
+    in_order = dict(concurrency_id=f"{ID}-listing", concurrency_limit=1)
+    apply.click(search, [where, sort, limit], listing, **in_order)
+    where.submit(search, [where, sort, limit], listing, **in_order)
+    sort.submit(search, [where, sort, limit], listing, **in_order)
+    gr.on(None, lambda: search("", "", LIMIT), None, listing, **in_order)     # on page load
     selected.change(compare, [selected, known, metric, smoothing, log_y, log_x], [metric, plot, diff])
     gr.on([metric.input, smoothing.release, log_y.input, log_x.input], redraw,
           [selected, metric, smoothing, log_y, log_x], plot)
