@@ -15,8 +15,9 @@ batch, warmup, norm and seeds, ~5% diverged, curves of --points-per-run points),
   to be written: its ablation refresh and upkeep run once, at the block's end, and are timed
   (--no-bulk: each call runs its own);
 - `kb runs --where`: k.runs(where, sort='summary.val/loss', limit=20) in process, p50/p95 over
-  --repeats queries for filters that select ~0.1%, 1%, 10% and 50% of the runs (each repeat asks
-  for other values; the match count is measured, not assumed); on Postgres again after an ANALYZE
+  --repeats queries for filters that select ~0.1%, 1%, 10% and 50% of the runs, and one that
+  selects a sweep's 10 runs at every size (each repeat asks for other values; the match count is
+  measured, not assumed); on Postgres again after an ANALYZE
   of the schema's tables (an ingest analyzes only after writing a tenth of the store or more:
   a bulk block at its end, a lone call of 1,000 runs only while the store is under 10,000);
 - hybrid retrieval: agents.retrieve.Retriever.retrieve(k=8), p50/p95. Embedding 100k run cards
@@ -252,7 +253,7 @@ MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "diverged": "FAILE
 
 
 def log_to_mlflow(client, exp: str, run: dict) -> None:
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Metric, Param, RunTag
     from synth import flat_params
     created = client.create_run(exp, run_name=run["name"])
     rid = created.info.run_id
@@ -260,7 +261,8 @@ def log_to_mlflow(client, exp: str, run: dict) -> None:
                for step, value, ts in pts]
     params = [Param(k, v) for k, v in flat_params(run["config"]).items()]
     for i in range(0, max(1, len(metrics)), 900):          # log_batch takes 1,000 entities a call
-        client.log_batch(rid, metrics=metrics[i:i + 900], params=params if i == 0 else [])
+        client.log_batch(rid, metrics=metrics[i:i + 900], params=params if i == 0 else [],
+                         tags=[RunTag(t, "true") for t in run["tags"]] if i == 0 else [])
     client.set_terminated(rid, status=MLFLOW_STATUS[run["status"]])
 
 
@@ -366,7 +368,7 @@ def check_targets(result: dict) -> dict:
             pps = last["ingest"]["points_per_s"]
             out["postgres: ingest >= 100,000 points/s"] = {"runs": last["runs"], "measured": pps,
                                                            "met": pps >= TARGETS["postgres_points_per_s"]}
-        for label in ("0.1%", "1%"):
+        for label in ("10 runs", "0.1%", "1%"):
             g = data["growth"].get(f"runs_p50_ms[{label}]")
             if g:
                 out[f"{db}: {label} filter p50 grows no faster than log(n)"] = {
@@ -433,6 +435,8 @@ def plot(result: dict, path: Path) -> None:
     for db, steps, g in series:
         ns = [s["runs"] for s in steps]
         for j, label in enumerate(FILTERS):      # a colour per selectivity, a line style per store
+            if any(label not in s["query"] for s in steps):      # an older run's JSON, without it
+                continue
             ys = [s["query"][label]["p50_ms"] for s in steps]
             (line,) = ax.plot(ns, ys, styles[db], color=f"C{j}", marker="o", label=f"{db} {label}")
             firsts.append(ys[0])

@@ -9,6 +9,8 @@ Each run is a point of a sweep: one of 6 model sizes (smaller ones more common, 
 params and tokens), 10 learning rates, 10 batch sizes, 10 warmups, 2 norms and 5 seeds, drawn
 independently and uniformly where a filter reads them, so `lr = X` holds for 10% of runs,
 `lr = X and batch = Y` for 1%, adding `warmup = Z` for 0.1%, and `norm = 'rmsnorm'` for 50%.
+Each run is also tagged with its sweep, ten runs of one project (`tags.lr-sweep-0003 = true`):
+a filter whose matches stay ten however long the history grows, where the others' grow with it.
 Statuses: mostly completed; diverged runs (more often at high lr) end in NaN with a `diverged`
 failure; some failed (oom) or killed. Curves: train/loss with 3/4 of the points, val/loss with
 the rest, loss falling towards a floor set by model size and lr.
@@ -26,6 +28,7 @@ WARMUPS = (0, 100, 200, 300, 500, 750, 1000, 1500, 2000, 3000)
 MODELS = (("30M", 6, 384, 30_000_000), ("50M", 8, 512, 51_000_000), ("125M", 12, 768, 124_000_000),
           ("350M", 24, 1024, 354_000_000), ("760M", 24, 1536, 757_000_000), ("1.3B", 24, 2048, 1_310_000_000))
 MODEL_WEIGHTS = (30, 25, 20, 12, 8, 5)
+SWEEP_RUNS = 10           # runs a sweep tag holds: a block of len(PROJECTS) * 10 runs has one per project
 PROJECTS = ("gpt-small", "gpt-medium", "lr-sweep", "norm-ablation", "warmup-study", "batch-scaling",
             "data-mix", "optim-sweep", "scaling-2025", "long-ctx", "distill", "tokenizer")
 TOTAL_STEPS = 20_000
@@ -57,12 +60,17 @@ def make_run(i: int, points: int = 200) -> dict:
            "name": f"{label}-lr{lr:g}-b{batch}-w{warmup}-{norm}-s{seed}-{i}", "status": status, "config": config,
            "scale": {"params": params, "tokens": params * rng.choice((10, 20, 40)), "gpus": rng.choice((8, 16, 64))},
            "metrics": metrics, "summary": {"tokens_per_s": round(rng.uniform(2e5, 2e6) / (params / 1e8), 1)},
-           "tags": ["baseline"] if seed == 0 and rng.random() < 0.1 else []}
+           "tags": [sweep_tag(i)] + (["baseline"] if seed == 0 and rng.random() < 0.1 else [])}
     if status == "diverged":
         run["failure"] = {"kind": "diverged", "step": int(diverge_at), "message": "loss is NaN"}
     elif status == "failed":
         run["failure"] = {"kind": "oom", "step": rng.randrange(TOTAL_STEPS), "message": "CUDA out of memory"}
     return run
+
+
+def sweep_tag(i: int) -> str:
+    """Run i's sweep: the runs of its project among the same block of len(PROJECTS) * SWEEP_RUNS."""
+    return f"{PROJECTS[i % len(PROJECTS)]}-{i // (len(PROJECTS) * SWEEP_RUNS):04d}"
 
 
 def _curve(rng: random.Random, floor: float, n: int, noise: float, diverge_at: float | None, i: int) -> list:
@@ -96,11 +104,29 @@ class Filter:
         return " and ".join(f"params.`{k}` = '{v}'" for (k, _), v in zip(self.keys, self.values(r)))
 
 
+@dataclass(frozen=True)
+class SweepFilter:
+    """One sweep's tag: SWEEP_RUNS matches at every size. Repeat r takes one of the sweeps that
+    are whole in the first `whole_blocks` blocks (4 blocks of 120 runs: whole at 500 runs)."""
+    whole_blocks: int = 4
+
+    def tag(self, r: int) -> str:
+        block = (r * 3) % self.whole_blocks
+        return sweep_tag(block * len(PROJECTS) * SWEEP_RUNS + (r * 5) % len(PROJECTS))
+
+    def kb_where(self, r: int) -> str:
+        return f"tags.{self.tag(r)} = true"
+
+    def mlflow_filter(self, r: int) -> str:
+        return f"tags.`{self.tag(r)}` = 'true'"
+
+
 def _literal(v) -> str:
     return f"'{v}'" if isinstance(v, str) else repr(v)
 
 
 FILTERS = {
+    "10 runs": SweepFilter(),
     "0.1%": Filter(0.001, (("optim.lr", LRS), ("data.batch_size", BATCHES), ("optim.warmup", WARMUPS))),
     "1%": Filter(0.01, (("optim.lr", LRS), ("data.batch_size", BATCHES))),
     "10%": Filter(0.1, (("optim.lr", LRS),)),

@@ -30,6 +30,19 @@ def test_runs_are_the_same_on_every_call_and_filters_name_their_values():
     assert FILTERS["1%"].kb_where(3) != FILTERS["1%"].kb_where(4)
 
 
+def test_the_sweep_filter_holds_ten_runs_of_one_project_at_every_size():
+    from scale_runs import sweep_tag
+    runs = [make_run(i, points=4) for i in range(500)]
+    sweep = FILTERS["10 runs"]
+    asked = {sweep.tag(r) for r in range(30)}
+    assert len(asked) > 10
+    for tag in asked:
+        members = [r for r in runs if tag in r["tags"]]
+        assert len(members) == 10 and len({r["project"] for r in members}) == 1
+        assert sweep.kb_where(0).startswith("tags.") and sweep.kb_where(0).endswith(" = true")
+    assert sweep_tag(500_000) not in {sweep_tag(i) for i in range(500)}     # new runs, new sweeps
+
+
 @pytest.mark.slow
 def test_scale_benchmark_prints_its_figures_as_json(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("KB_BENCH_POSTGRES_URL", raising=False)
@@ -49,6 +62,7 @@ def test_scale_benchmark_prints_its_figures_as_json(tmp_path, capsys, monkeypatc
         assert all(q["p50_ms"] > 0 and q["p95_ms"] >= q["p50_ms"] for q in step["query"].values())
         assert 0.3 < step["query"]["50%"]["fraction"] < 0.7
         assert step["query"]["10%"]["fraction"] < 0.25
+        assert 1 <= step["query"]["10 runs"]["matches"] <= 10       # sweeps are whole from 480 runs
         assert step["retrieval"]["chunks"] >= step["runs"] and step["retrieval"]["real_embeddings"] == 16
         assert step["ask"]["planned"] == step["ask"]["questions"] == 5
         assert step["sql_bytes_per_run"] > 0 and step["peak_rss_mb"] > 0
