@@ -1,12 +1,12 @@
 """The end of a bulk load on Postgres: the projects it mostly wrote, rebuilt two at a time.
 
 A bulk load's refresh (kb.ablation_store.refresh_all with `bulk`) rebuilds each mostly-queued
-project whole, one after another, and one core idles: a rebuild is two thirds Python (finding
-the ablations) and a third the server's (COPY of bucket, ablation and field rows; at 1,000 runs
-a project, 8.3 s of this process's CPU in a 12.3 s refresh). Here two forked processes rebuild
-two projects at a time, each in a transaction of its own, while the calling process holds the
-refresh's lock. Where a fork is unsafe (other threads running: a server) two threads do it
-instead, which gains less: their Python shares one GIL.
+project whole, one after another, and one core idles: a rebuild is mostly Python (finding the
+ablations), the rest the server's (COPY of bucket, ablation and field rows). Here two forked
+processes rebuild two projects at a time, each in a transaction of its own, while the calling
+process holds the refresh's lock (`benchmarks/bulk_end.py`: ~1.85x on 12 projects). Where a
+fork is unsafe (other threads running: a server) two threads do it instead, which gains less:
+their Python shares one GIL.
 
 Two rebuilds write disjoint rows: an ablation's id names its project, and bucket, membership
 and field rows belong to one run, which is in one project. A run that moved between projects
