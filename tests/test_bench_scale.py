@@ -39,7 +39,7 @@ def test_the_sweep_filter_holds_ten_runs_of_one_project_at_every_size():
     for tag in asked:
         members = [r for r in runs if tag in r["tags"]]
         assert len(members) == 10 and len({r["project"] for r in members}) == 1
-        assert sweep.kb_where(0).startswith("tags.") and sweep.kb_where(0).endswith(" = true")
+    assert sweep.kb_where(0).startswith("tags.") and sweep.kb_where(0).endswith(" = true")
     assert sweep_tag(500_000) not in {sweep_tag(i) for i in range(500)}     # new runs, new sweeps
 
 

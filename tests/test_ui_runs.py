@@ -190,8 +190,6 @@ def test_failures_list_groups_by_kind_with_evidence_lines():
     assert esc("a|b") == "a\\|b"
 
 
-# ---- in a browser ------------------------------------------------------------------------------
-
 @pytest.mark.parametrize("listed", ["kb-runs-table", "kb-failures-list"])
 def test_a_tabs_listings_run_one_at_a_time_in_the_order_they_came(tmp_path, listed):
     """The page-load listing and a filter applied while it still runs write the same table: Gradio
@@ -211,6 +209,8 @@ def test_a_tabs_listings_run_one_at_a_time_in_the_order_they_came(tmp_path, list
     finally:
         kb.close()
 
+
+# ---- in a browser ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
