@@ -195,7 +195,7 @@ def build(ui) -> None:
     with gr.Row():
         status = gr.Dropdown(list(STATUSES), value="proposed", label="Status", scale=1)
         refresh = gr.Button("Refresh", scale=0)
-    rows = gr.Dataframe(headers=COLUMNS, value=lambda: table("proposed"), interactive=False, wrap=True,
+    rows = gr.Dataframe(headers=COLUMNS, interactive=False, wrap=True,
                         label="Hypotheses (select one to review it)", elem_id="hypotheses-table")
     chosen = gr.Textbox(label="Hypothesis", placeholder="hyp-…", elem_id="hypothesis-id")
     shown = gr.Markdown(detail(""), elem_id="hypothesis-detail")
@@ -252,12 +252,19 @@ def build(ui) -> None:
         return (f"{len(found)} hypothesis(es) proposed: " + ", ".join(cite(h["id"], "hypothesis") for h in found),
                 "proposed", table("proposed"))
 
-    status.change(table, status, rows)
-    refresh.click(table, status, rows)
+    # the table's writers one at a time, in the order they came: a decision's table (of the status
+    # read at its click) could otherwise land after a later status change's. Propose stays apart:
+    # it takes seconds, and it sets the status with its table
+    in_order = dict(concurrency_id="hypotheses-table", concurrency_limit=1)
+    gr.on(None, lambda: table("proposed"), None, rows, **in_order)      # on page load
+    status.change(table, status, rows, **in_order)
+    refresh.click(table, status, rows, **in_order)
     rows.select(selected, rows, chosen)
     chosen.change(detail, chosen, shown)
-    approve.click(lambda *a: decide("approve", *a), [chosen, by, reason, backend, status], [said, shown, rows])
-    reject.click(lambda *a: decide("reject", *a), [chosen, by, reason, backend, status], [said, shown, rows])
+    approve.click(lambda *a: decide("approve", *a), [chosen, by, reason, backend, status], [said, shown, rows],
+                  **in_order)
+    reject.click(lambda *a: decide("reject", *a), [chosen, by, reason, backend, status], [said, shown, rows],
+                 **in_order)
     propose.click(proposed, [goal, n, project], [said, status, rows])
 
     ui.link("hypothesis", ID, lambda ref: {chosen: ref, shown: detail(ref)}, [chosen, shown])
