@@ -23,6 +23,15 @@ def href(kind: str, ref: str) -> str:
     return f"?{kind}={quote(str(ref), safe='')}"
 
 
+def in_arrival_order(group: str) -> dict:
+    """Options for the listeners that write the same component, so they run one at a time in the
+    order they were asked: Gradio runs different listeners side by side, and of two writing one
+    table the last to finish wins (a page-load listing over a filter applied meanwhile). One
+    concurrency group of one is served first in, first out. Groups are server-wide: keep slow
+    listeners out of them."""
+    return {"concurrency_id": group, "concurrency_limit": 1}
+
+
 @dataclass
 class Link:
     tab: str

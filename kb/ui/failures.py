@@ -12,6 +12,7 @@ from typing import Mapping, Sequence
 
 import gradio as gr
 
+from kb.ui.context import in_arrival_order
 from kb.ui.records import NONE, esc, fmt, link, md_table
 
 ID, TITLE = "failures", "Failures"
@@ -99,8 +100,7 @@ def build(ui) -> None:
                 counts_markdown(found["anomalies"], "Anomalies"), failures_markdown(fails), anomalies_markdown(anoms))
 
     outputs = [kind, failure_counts, anomaly_counts, failures, anomalies]
-    # in the order they came, so the page-load listing cannot land after a choice made meanwhile
-    in_order = dict(concurrency_id="failures-listing", concurrency_limit=1)
+    in_order = in_arrival_order("failures-listing")      # a choice made during the page-load listing wins
     refresh.click(load, [kind, project], outputs, **in_order)
     kind.input(load, [kind, project], outputs, **in_order)
     project.submit(load, [kind, project], outputs, **in_order)

@@ -20,6 +20,7 @@ import gradio as gr
 from kb.errors import KBError, NotFound
 from kb.fields import lookup
 from kb.hypotheses import split_key
+from kb.ui.context import in_arrival_order
 from kb.ui.records import link, problem
 
 ID, TITLE = "hypotheses", "Hypotheses"
@@ -252,10 +253,9 @@ def build(ui) -> None:
         return (f"{len(found)} hypothesis(es) proposed: " + ", ".join(cite(h["id"], "hypothesis") for h in found),
                 "proposed", table("proposed"))
 
-    # the table's writers one at a time, in the order they came: a decision's table (of the status
-    # read at its click) could otherwise land after a later status change's. Propose stays apart:
-    # it takes seconds, and it sets the status with its table
-    in_order = dict(concurrency_id="hypotheses-table", concurrency_limit=1)
+    # a decision's table (of the status read at its click) cannot land after a later status
+    # change's. Propose stays apart: it takes seconds, and it sets the status with its table
+    in_order = in_arrival_order("hypotheses-table")
     gr.on(None, lambda: table("proposed"), None, rows, **in_order)      # on page load
     status.change(table, status, rows, **in_order)
     refresh.click(table, status, rows, **in_order)

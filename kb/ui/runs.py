@@ -17,6 +17,7 @@ from typing import Mapping
 import gradio as gr
 
 from kb.errors import KBError, NotFound, QueryError
+from kb.ui.context import in_arrival_order
 from kb.ui.curves import Mark, Series, curves_figure
 from kb.ui.records import config_diff_markdown, esc, problem_markdown, record_markdown, runs_table, table_metrics
 from kb.vocab import metric_name
@@ -185,9 +186,7 @@ def build(ui) -> None:
         return show("run", str(row[0])) if row else {}
 
     listing = [problem, count, table, known, selected]
-    # one queue for every listing, one at a time, in the order they came: a filter applied while the
-    # page-load listing still runs would otherwise be overwritten by it when that finishes last
-    in_order = dict(concurrency_id=f"{ID}-listing", concurrency_limit=1)
+    in_order = in_arrival_order(f"{ID}-listing")      # a filter applied during the page-load listing wins
     apply.click(search, [where, sort, limit], listing, **in_order)
     where.submit(search, [where, sort, limit], listing, **in_order)
     sort.submit(search, [where, sort, limit], listing, **in_order)
