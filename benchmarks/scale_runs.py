@@ -28,9 +28,10 @@ WARMUPS = (0, 100, 200, 300, 500, 750, 1000, 1500, 2000, 3000)
 MODELS = (("30M", 6, 384, 30_000_000), ("50M", 8, 512, 51_000_000), ("125M", 12, 768, 124_000_000),
           ("350M", 24, 1024, 354_000_000), ("760M", 24, 1536, 757_000_000), ("1.3B", 24, 2048, 1_310_000_000))
 MODEL_WEIGHTS = (30, 25, 20, 12, 8, 5)
-SWEEP_RUNS = 10           # runs a sweep tag holds: a block of len(PROJECTS) * 10 runs has one per project
 PROJECTS = ("gpt-small", "gpt-medium", "lr-sweep", "norm-ablation", "warmup-study", "batch-scaling",
             "data-mix", "optim-sweep", "scaling-2025", "long-ctx", "distill", "tokenizer")
+SWEEP_RUNS = 10                                # runs a sweep tag holds
+SWEEP_BLOCK = len(PROJECTS) * SWEEP_RUNS       # consecutive runs holding one sweep of each project
 TOTAL_STEPS = 20_000
 
 
@@ -69,8 +70,8 @@ def make_run(i: int, points: int = 200) -> dict:
 
 
 def sweep_tag(i: int) -> str:
-    """Run i's sweep: the runs of its project among the same block of len(PROJECTS) * SWEEP_RUNS."""
-    return f"{PROJECTS[i % len(PROJECTS)]}-{i // (len(PROJECTS) * SWEEP_RUNS):04d}"
+    """Run i's sweep: the runs of its project in the same SWEEP_BLOCK."""
+    return f"{PROJECTS[i % len(PROJECTS)]}-{i // SWEEP_BLOCK:04d}"
 
 
 def _curve(rng: random.Random, floor: float, n: int, noise: float, diverge_at: float | None, i: int) -> list:
@@ -112,7 +113,7 @@ class SweepFilter:
 
     def tag(self, r: int) -> str:
         block = (r * 3) % self.whole_blocks
-        return sweep_tag(block * len(PROJECTS) * SWEEP_RUNS + (r * 5) % len(PROJECTS))
+        return sweep_tag(block * SWEEP_BLOCK + (r * 5) % len(PROJECTS))
 
     def kb_where(self, r: int) -> str:
         return f"tags.{self.tag(r)} = true"
