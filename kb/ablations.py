@@ -160,9 +160,19 @@ def pooled_sd(groups: list[Config], metric: str) -> tuple[float | None, int]:
     for g in groups:
         v = g.values(metric)
         if len(v) >= 2:
-            ss += statistics.variance(v) * (len(v) - 1)
+            ss += _variance(v) * (len(v) - 1)
             dof += len(v) - 1
     return ((ss / dof) ** 0.5 if dof else None), dof
+
+
+def _variance(v: list[float]) -> float:
+    # statistics.variance is exact (fractions), and converting a spread past the float limit back
+    # raised OverflowError inside the ablation refresh, failing that ingest and every one after
+    # (fuzzing found seeds at 1e279)
+    try:
+        return statistics.variance(v)
+    except OverflowError:
+        return math.inf
 
 
 def _pooled_sigma(groups: list[Config], metric: str) -> float | None:
@@ -182,7 +192,7 @@ def _build(project: str, factor: str, groups: list[Config], key: str | None, twi
     runs = [r for g in groups for r in g.runs]
     metric = _metric(runs)
     base = _baseline(groups)
-    sigma = _pooled_sigma(groups, metric) if metric else None
+    sigma = _finite(_pooled_sigma(groups, metric)) if metric else None
     base_mean = base.mean(metric) if metric else None
     variants = []
     for g in groups:
@@ -190,7 +200,7 @@ def _build(project: str, factor: str, groups: list[Config], key: str | None, twi
         if key is None:     # tag ablation: the value is whatever differs from the baseline
             value = {k: json.loads(v) for k, v in g.sig.items() if base.sig.get(k) != v} or "baseline"
         mean = g.mean(metric) if metric else None
-        delta = (mean - base_mean) if mean is not None and base_mean is not None else None
+        delta = _finite(mean - base_mean) if mean is not None and base_mean is not None else None
         variants.append({"runs": [r.id for r in g.runs], "run": g.runs[0].id, "value": value,
                          "metric": mean, "seeds": len(g.runs), "delta": delta,
                          "exceeds_seed_spread": (abs(delta) > 2 * sigma) if delta is not None and sigma else None,
@@ -208,6 +218,12 @@ def _build(project: str, factor: str, groups: list[Config], key: str | None, twi
                                     key=lambda v: v["metric"], default={}).get("run")},
                 source_kind="derived", source_uri=f"project:{project}", content_hash=digest,
                 ingested_at=utcnow(), bucket=bucket)
+
+
+def _finite(x: float | None) -> float | None:
+    """x, or None past the float limit (a spread or difference of losses near it): JSON has no
+    infinity, and Postgres refuses one where SQLite would store it."""
+    return x if x is None or math.isfinite(x) else None
 
 
 def _same_but(a: Config, b: Config, key: str) -> bool:

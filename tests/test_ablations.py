@@ -43,6 +43,23 @@ def test_one_key_difference_with_seeds_is_an_ablation_with_spread(kb, tmp_path):
     assert {r.id for r in kb.runs(where="ablations.norm.delta < 0")} == {"rms-0", "rms-1", "rms-2", "tiny-gain"}
 
 
+def test_seeds_whose_spread_passes_the_float_limit_leave_the_ablation_without_a_noise_verdict(kb, tmp_path):
+    """Two seeds at -1e300 and 1e300: their variance (exact, by fractions) overflowed converting
+    back to a float, inside the ablation refresh, so the ingest failed and every later one with it
+    (found by tests/test_fuzz_native.py). Such a spread is no noise estimate: stored as none, on
+    both databases (Postgres's JSON has no infinity), and so is a difference past the limit."""
+    records = [run("huge-0", -1e300, seed=0), run("huge-1", 1e300, seed=1), run("other", 2.9, norm="rmsnorm"),
+               run("far", 1.7e308, norm="scalenorm"), run("far-other", -1.7e308, norm="scalenorm", lr=1e-2)]
+    report = ingest(kb, tmp_path, records)
+    assert report.added == 5 and not report.failed
+    [abl] = [a for a in kb.run("other").ablations if a["factor"] == "config.model.norm"]
+    assert abl["effect"]["seed_sigma"] is None
+    assert {v["value"]: v["exceeds_seed_spread"] for v in abl["variants"]}["rmsnorm"] is None
+    [lr] = [a for a in kb.run("far").ablations if a["factor"] == "config.optim.lr"]
+    assert [v["delta"] for v in lr["variants"] if not v["baseline"]] == [None]       # 1.7e308 - -1.7e308
+    assert ingest(kb, tmp_path, [run("later", 3.0, lr=1e-3)]).added == 1     # the queue is not stuck
+
+
 def test_two_key_difference_is_not_a_single_factor_ablation(kb, tmp_path):
     ingest(kb, tmp_path, [run("a", 3.0), run("b", 2.9, norm="rmsnorm", lr=1e-3)])
     assert kb.run("a").ablations == []
