@@ -107,16 +107,50 @@ def _failure(kb, x, retriever=None) -> Answer:
 def _postmortems(run, retriever, cites: list[Citation], out: list[str], limit: int = 2) -> None:
     """Notes that name the run (a postmortem, an incident write-up): their line about it."""
     hits = retriever.retrieve(f"{run.id} {run.name or ''} failure cause", k=6, kinds={"note"})
+    names = (run.id, run.name or run.id)
     for h in hits:
         text = h.chunk.text
-        if run.id not in text and not (run.name and run.name in text):
+        if not any(n in text for n in names):
             continue
-        lines = [ln.strip() for ln in text.splitlines()[1:] if ln.strip()] or [text.strip()]
-        line = next((ln for ln in lines if run.id in ln), lines[0])
+        line, verb = line_about(text, names)
+        if line is None:
+            continue
         cites.append(Citation("note", h.chunk.id, line[:200]))
-        out.append(f"A note on it says: {line[:240].rstrip('.')} [{len(cites)}].")
+        out.append(f"A note on it {verb}: {line[:240].rstrip('.')} [{len(cites)}].")
         if sum(c.kind == "note" for c in cites) >= limit:
             return
+
+
+_TABLE_RULE = re.compile(r"^\|?\s*:?-{3,}")        # the |---|---| line under a Markdown table's header
+
+
+def line_about(text: str, names: tuple[str, ...]) -> tuple[str | None, str]:
+    """A note chunk's line about a run (one naming it, else its first line of prose; its first
+    line is its title) and the verb to quote it with: a Markdown table row is given as
+    `column: cell` pairs from its table's header, so a quote is never a bare header or row of
+    cells. (None, "") when the chunk has neither."""
+    lines = [ln.strip() for ln in text.splitlines()[1:] if ln.strip()] or [text.strip()]
+    for i, line in enumerate(lines):
+        if any(n and n in line for n in names):
+            return (_table_row(lines, i), "lists") if line.startswith("|") else (line, "says")
+    prose = next((ln for ln in lines if not ln.startswith(("|", "#", "```", "~~~"))), None)
+    return (prose, "says") if prose else (None, "")
+
+
+def _table_row(lines: list[str], i: int) -> str:
+    start = i
+    while start > 0 and lines[start - 1].startswith("|"):
+        start -= 1
+    cells = _cells(lines[i])
+    if i - start >= 2 and _TABLE_RULE.match(lines[start + 1]):
+        header = _cells(lines[start])
+        if len(header) == len(cells):
+            return "; ".join(f"{h}: {c}" for h, c in zip(header, cells) if c)
+    return ", ".join(c for c in cells if c)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().strip("`").strip() for c in line.strip().strip("|").split("|")]
 
 
 def _failure_sentences(run, cites: list[Citation], out: list[str]) -> None:
