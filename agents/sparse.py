@@ -3,20 +3,24 @@
 Dense vectors miss exact tokens that matter here (a run id, `rmsnorm`, `nccl_timeout`, a
 learning rate written `3e-4`); BM25 finds them. The index is built from SQL and saved under
 the knowledge base's home with the signature of what it was built from; an open index whose
-signature no longer matches SQL is rebuilt, so the first question after an ingest pays for it.
+signature no longer matches SQL is brought up to date, so the first question after an ingest
+pays for that.
 
 The scores are bm25s's (its default: Lucene's BM25, k1 1.5, b 0.75; a test holds them equal),
 but the index is built here: each word's token ids found once a build, then one sparse matrix of
-each (chunk, token)'s weight, by numpy. At 100,000 runs (209,529 chunks) that took 21.1 s
-against bm25s's 37.4 s for the same chunks (`benchmarks/keyword_index.py`), most of it the
-tokenizing; reading the chunks from SQL is another 11.7 s. So a build keeps every chunk's token
-ids with its text's digest (`TokenRows`, saved beside the index), and the rebuild after an
-ingest tokenizes only the chunks that are new or whose text changed (after 1,000 more runs:
-12.7 s, against 28.0 s from scratch); every chunk is still read.
+each (chunk, token)'s weight, by numpy. At 100,000 runs (209,529 chunks) that took 9.3 s
+against bm25s's 21.8 s for the same chunks (`benchmarks/keyword_index.py`), most of it the
+tokenizing; reading the chunks from SQL is another 6.7 s. So a build keeps each chunk's row
+(agents.token_rows: its distinct token ids and their counts, its text's digest, its record's
+stamp), and the rebuild after an ingest reads from SQL only the chunks whose stamp changed
+(agents.corpus.chunk_stamps: ids and times, no text), tokenizes only those whose text changed,
+and computes the weights again over every row (each idf and the mean length move with any chunk):
+after 1,000 more runs, 3.3 s against 16.1 s from scratch and 12.3 s when every chunk was read.
 """
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import re
@@ -24,6 +28,7 @@ import shutil
 from array import array
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +37,8 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from agents.corpus import Chunk, all_chunks
+from agents.corpus import Chunk, all_chunks, chunk_stamps, chunks_by_key
+from agents.token_rows import TokenRows, digest
 from kb.models import Ablation, Failure, Note, Run
 
 log = logging.getLogger(__name__)
@@ -114,53 +120,57 @@ def signature(engine: Engine) -> str:
     return hashlib.sha1("|".join(parts).encode()).hexdigest()
 
 
-K1, B = 1.5, 0.75       # bm25s's defaults (method "lucene")
 EMPTY = "<empty>"        # the one token of a chunk with none: the query tokenizer never makes it
 
 
-def bm25_weights(ids: np.ndarray, lengths: np.ndarray, n_tokens: int) -> sp.csc_matrix:
-    """(chunk, token) -> idf(token) * tf / (tf + k1 * (1 - b + b * len / avglen)), from every
-    chunk's token ids in a row (`ids`, chunk i's `lengths[i]` of them), as a chunk x token matrix
-    stored by token: a query sums its tokens' columns."""
-    rows = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-    tf = sp.csr_matrix((np.ones(len(ids), dtype=np.float32), (rows, ids)), shape=(len(lengths), n_tokens))
-    tf.sum_duplicates()
-    df = np.bincount(tf.indices, minlength=n_tokens)
-    idf = np.log(1 + (len(lengths) - df + 0.5) / (df + 0.5)).astype(np.float32)
-    norm = (K1 * (1 - B + B * lengths / lengths.mean())).astype(np.float32)
-    tf.data = tf.data / (tf.data + np.repeat(norm, np.diff(tf.indptr))) * idf[tf.indices]
-    return tf.tocsc()
+def _format() -> str:
+    try:
+        return version("pretrain-kb")
+    except PackageNotFoundError:
+        return ""
 
 
-def _compact(ids: np.ndarray, vocab: dict[str, int]) -> tuple[np.ndarray, dict[str, int]]:
-    """Ids renumbered over the tokens some chunk still holds, in their old order: a token whose
-    chunks all changed or went leaves the vocabulary (what `Retriever.vocabulary` answers)."""
-    held = np.bincount(ids, minlength=len(vocab)) > 0
-    if held.all():
-        return ids, vocab
-    renumber = np.cumsum(held) - 1
-    return renumber[ids].astype(np.int32), {t: int(renumber[i]) for t, i in vocab.items() if held[i]}
+# a chunk's text comes from the code that renders it as well as from its record, and its tokens
+# from the tokenizer's code, so saved rows are trusted only within one release: the first
+# rebuild after an upgrade reads and tokenizes every chunk again
+FORMAT = _format()
 
 
-def digest(text: str) -> int:
-    """A chunk text's 64-bit fingerprint: a build reuses the tokens of a chunk whose text has it."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-
-
-@dataclass
-class TokenRows:
-    """Every chunk's token ids in a row (`ids`, chunk i's `lengths[i]` of them), with its key and
-    its text's `digest`: what a build keeps for the next one, which tokenizes only new and
-    changed chunks (a rebuild after an ingest: the tokenizing was most of it)."""
-    keys: list[str]
-    digests: np.ndarray      # uint64
-    ids: np.ndarray          # int32
-    lengths: np.ndarray      # int64
-
-    def slices(self) -> dict[str, tuple[int, int, int]]:
-        """key -> (digest, start, stop) of its ids."""
-        stops = np.cumsum(self.lengths)
-        return {k: (int(d), int(e - n), int(e)) for k, d, n, e in zip(self.keys, self.digests, self.lengths, stops)}
+def tokenize(chunks: list[Chunk], vocab: dict[str, int], reuse: TokenRows | None = None) -> tuple[TokenRows, int]:
+    """The chunks' rows (ids from `vocab`, new tokens added to it) and how many were tokenized: a
+    chunk whose key and text `reuse` holds keeps the row found then (those rows come first)."""
+    digests = [digest(c.text) for c in chunks]
+    same = np.zeros(len(reuse.keys) if reuse is not None else 0, dtype=bool)
+    wanted = {c.key for c in chunks} if reuse is not None else set()
+    at = {k: i for i, k in enumerate(reuse.keys) if k in wanted} if reuse is not None else {}
+    fresh: list[int] = []
+    for j, c in enumerate(chunks):
+        i = at.get(c.key)
+        if i is not None and int(reuse.digests[i]) == digests[j]:
+            same[i] = True
+        else:
+            fresh.append(j)
+    ids_of: dict[str, tuple[int, ...]] = {}     # a word's tokens (`_forms`) as ids, once a build
+    tokens_, sizes = array("i"), array("q")
+    for j in fresh:
+        start = len(tokens_)
+        for word in _words(chunks[j].text):
+            got = ids_of.get(word)
+            if got is None:
+                got = ids_of[word] = tuple(vocab.setdefault(t, len(vocab)) for t in _forms(word))
+            tokens_.extend(got)
+        if len(tokens_) == start:
+            tokens_.append(vocab.setdefault(EMPTY, len(vocab)))
+        sizes.append(len(tokens_) - start)
+    new = TokenRows.of_tokens([chunks[j].key for j in fresh], [chunks[j].kind for j in fresh],
+                              [chunks[j].project for j in fresh], [digests[j] for j in fresh],
+                              np.frombuffer(tokens_, dtype=np.int32), np.frombuffer(sizes, dtype=np.int64))
+    if reuse is None:
+        return new, len(fresh)
+    kept = reuse.take(same)
+    by_key = {c.key: c for c in chunks}
+    kept.projects = [by_key[k].project for k in kept.keys]     # a note can move with its text unchanged
+    return kept + new, len(fresh)
 
 
 def _vocabulary(saved: dict) -> dict[str, int]:
@@ -168,53 +178,83 @@ def _vocabulary(saved: dict) -> dict[str, int]:
     return {t: i for i, t in enumerate(saved["vocab"])}
 
 
+@dataclass
+class Previous:
+    """What the last build saved, for the next to reuse: its rows and vocabulary."""
+    rows: TokenRows
+    vocab: dict[str, int]
+    format: str          # the release that wrote them (`FORMAT`)
+
+    @classmethod
+    def load(cls, folder: Path, saved: dict) -> "Previous | None":
+        """The build saved in `folder` (`saved` its chunks.json); None without its rows (an
+        empty index, or one saved before rows were kept)."""
+        if not saved["keys"] or not (folder / "tokens.npz").exists():
+            return None
+        with np.load(folder / "tokens.npz") as t:
+            if "counts" not in t.files:
+                return None
+            stamps = [s.decode() for s in t["stamps"].tolist()] if "stamps" in t.files else None
+            rows = TokenRows(saved["keys"], saved["kinds"], saved["projects"], t["digests"], t["ids"], t["counts"],
+                             t["lengths"], stamps)
+            built = str(t["signature"])
+        # another process may have swapped the folder between the two reads: ids of another vocabulary
+        n = len(rows.keys)
+        if (built != saved["signature"] or rows.ids.dtype != np.int32 or len(rows.ids) != len(rows.counts)
+                or not len(rows.lengths) == len(rows.digests) == len(rows.kinds) == len(rows.projects) == n
+                or int(rows.lengths.sum()) != len(rows.ids) or (stamps is not None and len(stamps) != n)):
+            raise ValueError("token rows do not match the keys")
+        return cls(rows, _vocabulary(saved), saved.get("format", ""))
+
+
 class SparseIndex:
     def __init__(self, weights: sp.csc_matrix | None, vocab: dict[str, int], keys: list[str], kinds: np.ndarray,
-                 projects: np.ndarray, sig: str, rows: TokenRows | None = None, tokenized: int = 0):
+                 projects: np.ndarray, sig: str, rows: TokenRows | None = None, tokenized: int = 0, read: int = 0):
         self.weights, self.vocab = weights, vocab
         self.keys, self.kinds, self.projects, self.signature = keys, kinds, projects, sig
-        self.rows = rows                # a built index's token rows (None when loaded for queries)
+        self.rows = rows                # a built index's rows (None when loaded for queries)
         self.tokenized = tokenized      # chunks this build tokenized (the rest it reused)
+        self.read = read                # chunks this build read from SQL (the rest it kept)
         self._position = {k: i for i, k in enumerate(keys)}
 
     @classmethod
-    def build(cls, chunks: list[Chunk], sig: str = "",
-              previous: tuple[TokenRows, dict[str, int]] | None = None) -> "SparseIndex":
-        """The index of `chunks`; with `previous` (an earlier build's token rows and vocabulary),
-        a chunk whose key and text are unchanged keeps its tokens, and only the others are tokenized."""
-        vocab: dict[str, int] = dict(previous[1]) if previous else {}
-        old = previous[0].slices() if previous else {}
-        old_ids = previous[0].ids if previous else None
-        ids_of: dict[str, tuple[int, ...]] = {}     # a word's tokens (`_forms`) as ids, once a build
-        ids, lengths, digests = array("i"), array("q"), array("Q")
-        tokenized = 0
-        for c in chunks:
-            start = len(ids)
-            d = digest(c.text)
-            digests.append(d)
-            was = old.get(c.key)
-            if was is not None and was[0] == d:
-                ids.frombytes(old_ids[was[1]:was[2]].tobytes())      # its tokens as the last build found them
-            else:
-                tokenized += 1
-                for word in _words(c.text):
-                    got = ids_of.get(word)
-                    if got is None:
-                        got = ids_of[word] = tuple(vocab.setdefault(t, len(vocab)) for t in _forms(word))
-                    ids.extend(got)
-                if len(ids) == start:
-                    ids.append(vocab.setdefault(EMPTY, len(vocab)))
-            lengths.append(len(ids) - start)
-        ids, vocab = _compact(np.frombuffer(ids, dtype=np.int32) if len(ids) else np.zeros(0, dtype=np.int32), vocab)
-        n = np.frombuffer(lengths, dtype=np.int64) if len(lengths) else np.zeros(0, dtype=np.int64)
-        rows = TokenRows([c.key for c in chunks], np.frombuffer(digests, dtype=np.uint64), ids, n)
-        weights = bm25_weights(ids, n, len(vocab)) if chunks else None
-        return cls(weights, vocab, rows.keys, np.array([c.kind for c in chunks], dtype=object),
-                   np.array([c.project for c in chunks], dtype=object), sig, rows, tokenized)
+    def build(cls, chunks: list[Chunk], sig: str = "", previous: Previous | None = None,
+              stamps: dict[str, str] | None = None) -> "SparseIndex":
+        """The index of `chunks`; with `previous` (an earlier build), a chunk whose key and text
+        are unchanged keeps its row, and only the others are tokenized. `stamps` (key -> stamp,
+        read before the chunks) are kept for the next rebuild (`update`)."""
+        vocab = dict(previous.vocab) if previous else {}
+        rows, tokenized = tokenize(chunks, vocab, previous.rows if previous else None)
+        rows.stamps = None if stamps is None else [stamps.get(k, "") for k in rows.keys]
+        return cls._of(rows, vocab, sig, tokenized, len(chunks))
+
+    @classmethod
+    def update(cls, previous: Previous, stamps: dict[str, str], engine: Engine, sig: str = "") -> "SparseIndex":
+        """`previous` brought up to what SQL holds: the chunks whose stamp changed are read and
+        tokenized, the others keep their rows, and those SQL no longer holds go. `stamps` is
+        `chunk_stamps(engine)`, read before."""
+        old = previous.rows
+        was = dict(zip(old.keys, old.stamps))
+        changed = [k for k, t in stamps.items() if t != was.get(k)]
+        keep = np.fromiter((stamps.get(k) == t for k, t in zip(old.keys, old.stamps)), dtype=bool,
+                           count=len(old.keys))
+        fresh = list(chunks_by_key(engine, changed).values())
+        vocab = dict(previous.vocab)
+        rows, tokenized = tokenize(fresh, vocab, old)
+        rows.stamps = [stamps[k] for k in rows.keys]
+        return cls._of(old.take(keep) + rows, vocab, sig, tokenized, len(fresh))
+
+    @classmethod
+    def _of(cls, rows: TokenRows, vocab: dict[str, int], sig: str, tokenized: int, read: int) -> "SparseIndex":
+        vocab = rows.compact(vocab)
+        weights = rows.weights(len(vocab)) if rows.keys else None
+        return cls(weights, vocab, rows.keys, np.array(rows.kinds, dtype=object),
+                   np.array(rows.projects, dtype=object), sig, rows, tokenized, read)
 
     @classmethod
     def open(cls, engine: Engine, folder: Path) -> "SparseIndex":
-        """The saved index if SQL has not changed since it was built, else a fresh one (saved)."""
+        """The saved index if SQL has not changed since it was built, else the saved one updated
+        (`update`), or a fresh one where nothing usable was saved; saved in either case."""
         sig = signature(engine)
         meta = folder / "chunks.json"
         previous = None
@@ -223,10 +263,16 @@ class SparseIndex:
                 saved = json.loads(meta.read_text())
                 if saved["signature"] == sig:
                     return cls._load(folder, saved)
-                previous = cls._token_rows(folder, saved)
+                previous = Previous.load(folder, saved)
             except (OSError, ValueError, KeyError) as e:     # a torn or foreign folder: rebuild
                 log.warning("keyword index at %s unreadable (%s); rebuilding", folder, e)
-        index = cls.build(list(all_chunks(engine)), sig, previous)
+        stamps = chunk_stamps(engine)
+        if previous is not None and previous.format != FORMAT:
+            previous = None          # another release's rows: its texts and tokens may differ
+        if previous is not None and previous.rows.stamps is not None:
+            index = cls.update(previous, stamps, engine, sig)
+        else:
+            index = cls.build(list(all_chunks(engine)), sig, previous, stamps)
         try:
             index.save(folder)
         except OSError as e:           # a read-only home still answers, from memory
@@ -240,20 +286,6 @@ class SparseIndex:
                    np.array(saved["kinds"], dtype=object), np.array(saved["projects"], dtype=object),
                    saved["signature"])
 
-    @staticmethod
-    def _token_rows(folder: Path, saved: dict) -> tuple[TokenRows, dict[str, int]] | None:
-        """The saved build's token rows and vocabulary, for a rebuild to reuse; None without them."""
-        if not saved["keys"] or not (folder / "tokens.npz").exists():
-            return None
-        with np.load(folder / "tokens.npz") as t:
-            rows = TokenRows(saved["keys"], t["digests"], t["ids"], t["lengths"])
-            built = str(t["signature"])
-        # another process may have swapped the folder between the two reads: ids of another vocabulary
-        if (built != saved["signature"] or rows.ids.dtype != np.int32 or len(rows.lengths) != len(rows.keys)
-                or int(rows.lengths.sum()) != len(rows.ids)):
-            raise ValueError("token rows do not match the keys")
-        return rows, _vocabulary(saved)
-
     def save(self, folder: Path) -> None:
         # written beside, then swapped in, so a reader never sees half an index
         tmp = folder.with_name(folder.name + ".tmp")
@@ -262,10 +294,11 @@ class SparseIndex:
         if self.weights is not None:
             sp.save_npz(tmp / "weights.npz", self.weights, compressed=False)
         if self.rows is not None and self.keys:
-            np.savez(tmp / "tokens.npz", digests=self.rows.digests, ids=self.rows.ids, lengths=self.rows.lengths,
-                     signature=np.array(self.signature))
+            extra = {} if self.rows.stamps is None else {"stamps": np.array(self.rows.stamps, dtype=np.bytes_)}
+            np.savez(tmp / "tokens.npz", digests=self.rows.digests, ids=self.rows.ids, counts=self.rows.counts,
+                     lengths=self.rows.lengths, signature=np.array(self.signature), **extra)
         (tmp / "chunks.json").write_text(json.dumps({
-            "signature": self.signature, "keys": self.keys, "vocab": list(self.vocab),
+            "signature": self.signature, "format": FORMAT, "keys": self.keys, "vocab": list(self.vocab),
             "kinds": self.kinds.tolist(), "projects": self.projects.tolist()}))
         old = folder.with_name(folder.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -304,6 +337,10 @@ class SparseIndex:
         n = min(limit, int((scores > 0).sum()))
         if n == 0:
             return []
-        top = np.argpartition(-scores, n - 1)[:n]
-        top = top[np.argsort(-scores[top], kind="stable")]
+        cut = np.partition(scores, len(scores) - n)[len(scores) - n]      # the n-th best score
+        above = np.flatnonzero(scores > cut).tolist()
+        # ties go by key, not by position: a rebuild that kept some rows and appended others
+        # answers as a build from scratch does
+        tied = heapq.nsmallest(n - len(above), np.flatnonzero(scores == cut).tolist(), key=self.keys.__getitem__)
+        top = sorted(above + tied, key=lambda i: (-scores[i], self.keys[i]))
         return [(self.keys[i], float(scores[i])) for i in top]

@@ -90,9 +90,9 @@ def test_a_rebuild_tokenizes_only_new_and_changed_chunks_and_equals_a_fresh_buil
                         "metrics": {"val/loss": [[10, 2.9]]}}], index=False)
     assert (report.added, report.updated) == (1, 1), report.as_dict()
     second = SparseIndex.open(kb.engine, folder)
-    assert 2 <= second.tokenized < 6             # the new run, the changed one, what cites them
+    assert 2 <= second.tokenized <= second.read < 6      # the new run, the changed one, what cites them
     fresh = SparseIndex.build(list(all_chunks(kb.engine)))
-    assert second.keys == fresh.keys and set(second.vocab) == set(fresh.vocab)
+    assert sorted(second.keys) == sorted(fresh.keys) and set(second.vocab) == set(fresh.vocab)
     assert "quuxnorm" in second.vocab and "plughflavour" in second.vocab
     for q in ("quuxnorm", "plughflavour val loss", "diverged warmup", "d1 lr0.001"):
         assert second.search(q, 10) == fresh.search(q, 10), q
@@ -102,3 +102,77 @@ def test_a_rebuild_tokenizes_only_new_and_changed_chunks_and_equals_a_fresh_buil
     third = SparseIndex.open(kb.engine, folder)
     assert "plughflavour" not in third.vocab and "xyzzyword" in third.vocab and third.tokenized < 6
     assert set(third.vocab) == set(SparseIndex.build(list(all_chunks(kb.engine))).vocab)
+
+
+def _score_by_key(index, question: str) -> dict[str, float]:
+    return {k: round(s, 5) for k, s in index.search(question, 10_000)}
+
+
+@pytest.mark.slow
+def test_a_rebuild_reads_only_the_records_written_since_and_equals_a_fresh_build(kb, tmp_path, monkeypatch):
+    """After the first build the keyword index reads from SQL only the chunks whose record was
+    written since (their stamps), plus the ablations that name a renamed run; what it keeps and
+    what it reads scores as a build from scratch of everything does."""
+    from sqlalchemy import select
+    from sqlmodel import Session
+
+    import numpy as np
+
+    import agents.sparse as sparse
+    from agents.corpus import all_chunks
+    from kb.models import AblationRun
+    kb.ingest(str(HISTORY / "runs.jsonl"), index=False)
+    sweep = [{"id": f"sweep-{i}", "project": "p", "name": f"sweep-{i}", "config": {"lr": lr, "norm": "rmsnorm"},
+              "metrics": {"val/loss": [[100, 3.0 + i / 10]]}} for i, lr in enumerate((1e-3, 3e-3, 1e-2))]
+    assert kb.ingest_records(sweep, index=False).added == 3       # an ablation of lr
+    doc = tmp_path / "notes" / "review.md"
+    doc.parent.mkdir()
+    doc.write_text("# Review\n\n## Warmup\n\nThe gorgonzola warmup was too short.\n\n"
+                   "## Clipping\n\nClipping at 1.0 kept the quokka runs stable.\n")
+    assert kb.ingest(str(doc.parent), index=False).added == 2
+    folder = tmp_path / "bm25"
+    first = sparse.SparseIndex.open(kb.engine, folder)
+    assert first.read == first.tokenized == len(first.keys) > 25
+    with Session(kb.engine) as s:
+        in_ablation = s.execute(select(AblationRun.run_id, AblationRun.ablation_id)
+                                .where(AblationRun.run_id.like("sweep-%"))).first()
+    assert in_ablation, "the sweep forms an ablation"
+    run = kb.run(in_ablation[0])
+    renamed = next(r for r in sweep if r["id"] == run.id) | {"name": "renamedwombat"}    # the ablation is unchanged
+    report = kb.ingest_records([
+        renamed,
+        {"id": "zz-new", "project": run.project, "status": "diverged", "config": {"norm": "quuxnorm"},
+         "metrics": {"train/loss": [[10, 3.1], [20, float("nan")]]},
+         "failure": {"kind": "diverged", "step": 20, "message": "loss went to NaN at the blorptastic step"}}],
+        index=False)
+    assert (report.added, report.updated) == (1, 1), report.as_dict()
+    doc.write_text("# Review\n\n## Warmup\n\nThe gorgonzola warmup was fine after all.\n")   # one chunk changed, one gone
+    kb.ingest(str(doc.parent), index=False)
+    second = sparse.SparseIndex.open(kb.engine, folder)
+    # the renamed run, its ablations, the new run and its failure, the changed note: no more
+    assert 5 <= second.read < 15 and second.tokenized <= second.read, (second.read, second.tokenized)
+    fresh = sparse.SparseIndex.build(list(all_chunks(kb.engine)))
+    assert sorted(second.keys) == sorted(fresh.keys) and set(second.vocab) == set(fresh.vocab)
+    assert "quokka" not in second.vocab and "blorptastic" in second.vocab
+    assert f"ablation:{in_ablation[1]}" in dict(second.search("renamedwombat", 50))    # its text names the run
+    for q in ("renamedwombat", "blorptastic NaN", "gorgonzola warmup", "quuxnorm diverged", "lr 0.001 warmup"):
+        assert _score_by_key(second, q) == _score_by_key(fresh, q), q
+        assert second.search(q, 5) == fresh.search(q, 5), q
+    # reopened from disk with nothing changed: nothing read
+    assert sparse.SparseIndex.open(kb.engine, folder).read == 0
+    # saved rows are trusted within one release: another release reads and tokenizes every chunk
+    # once, and a folder saved without stamps reads every chunk and tokenizes the changed ones
+    kb.ingest_records([{"id": "zz-newer", "project": run.project, "metrics": {"val/loss": [[10, 3.0]]}}], index=False)
+    monkeypatch.setattr(sparse, "FORMAT", "another release")
+    third = sparse.SparseIndex.open(kb.engine, folder)
+    assert third.read == third.tokenized == len(third.keys)
+    monkeypatch.undo()
+    third.save(folder)
+    with np.load(folder / "tokens.npz") as t:
+        np.savez(folder / "tokens.npz", **{name: t[name] for name in t.files if name != "stamps"})
+    kb.ingest_records([{"id": "zz-newest", "project": run.project, "metrics": {"val/loss": [[10, 3.0]]}}],
+                      index=False)
+    fourth = sparse.SparseIndex.open(kb.engine, folder)
+    assert fourth.read == len(fourth.keys) and fourth.tokenized <= 3
+    kb.ingest_records([{"id": "zz-last", "project": "q", "metrics": {"val/loss": [[10, 3.0]]}}], index=False)
+    assert sparse.SparseIndex.open(kb.engine, folder).read == 1        # the stamps are saved again
