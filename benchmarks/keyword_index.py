@@ -19,7 +19,8 @@ The medians are printed with their ratio, and the two indexes' scores compared o
 (`SparseIndex.open`: built and saved), --more runs are loaded, and it is opened again: the rebuild
 after an ingest, which reads and tokenizes only the chunks of records written since (their stamps,
 `agents.corpus.chunk_stamps`), timed against a read and build from scratch of the same chunks
-(their scores compared too).
+(their scores compared too). Last, the check every question makes first (has SQL changed since
+the build: `agents.sparse.signature`), timed.
 """
 from __future__ import annotations
 
@@ -117,6 +118,18 @@ def measure_after_ingest(k, folder: Path, start: int, more: int, points: int) ->
             "ratio": round(scratch / incremental, 2)}
 
 
+def check_cost(k, repeats: int = 7) -> float:
+    """The check every question makes before it retrieves: has SQL changed since the index was
+    built (`agents.sparse.signature`)? Median seconds."""
+    from agents.sparse import signature
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        signature(k.engine)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20_000)
@@ -134,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         out |= measure(k, args.repeats)
         more = args.more if args.more is not None else max(1, args.runs // 100)
         out["after_ingest"] = measure_after_ingest(k, Path(tmp) / "bm25", args.runs, more, args.points_per_run)
+        out["check_ms"] = round(check_cost(k) * 1000, 1)
     print(f"{out['store']}, {out['runs']:,} runs: {out['chunks']:,} chunks, {out['vocabulary']:,} distinct tokens")
     print(f"  read the chunks from SQL       {out['read_s']:6.2f} s")
     print(f"  build, ours                    {out['ours_build_s']:6.2f} s")
@@ -144,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  after {a['more_runs']:,} more runs ({a['chunks_after']:,} chunks): the rebuild reusing the saved "
           f"rows {a['rebuild_reusing_s']:.2f} s ({a['read']:,} chunks read, {a['tokenized']:,} tokenized), "
           f"from scratch {a['rebuild_from_scratch_s']:.2f} s ({a['ratio']:.2f}x)")
+    print(f"  the check before every question (has SQL changed since the build?) {out['check_ms']:.1f} ms")
     if args.json:
         print(json.dumps(out))
 

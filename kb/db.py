@@ -24,7 +24,7 @@ from kb.errors import ReadOnlyStore
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-HEAD = "0017"   # newest revision in migrations/versions; checked without importing alembic
+HEAD = "0018"   # newest revision in migrations/versions; checked without importing alembic
 
 
 def make_engine(url: str) -> Engine:

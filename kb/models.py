@@ -54,7 +54,7 @@ class Provenance(SQLModel):
     """Where a record came from; re-ingesting the same content (same hash) changes nothing."""
     source_kind: str = Field(default="native", index=True)
     source_uri: str = ""
-    ingested_at: datetime = Field(default_factory=utcnow)
+    ingested_at: datetime = Field(default_factory=utcnow, index=True)     # agents.sparse.signature reads the newest
     content_hash: str = ""
 
 
