@@ -31,11 +31,11 @@ def all_chunks(engine: Engine) -> Iterator[Chunk]:
 
 def chunk_stamps(engine: Engine) -> dict[str, str]:
     """Every chunk's key -> when what its text is made of was last written, read without the texts
-    (ids and times: 0.5 s at 100,000 runs, where reading the chunks takes 6.7 s). Every write of a run, note or ablation sets
-    its `ingested_at`; a failure's text is made of its run's row, so it carries its run's time; an
-    ablation's text names its runs, and a run's write queues the refresh that writes its ablations
-    again (kb.ablation_store). Stamps are compared for equality, never ordered, so writers' clocks
-    need not agree."""
+    (ids and times: 0.5 s at 100,000 runs, where reading the chunks takes 6.7 s). Every write of a
+    run, note or ablation sets its `ingested_at`; a failure's text is made of its run's row, so it
+    carries its run's time; an ablation's text names its runs, and a run's write queues the
+    refresh that writes its ablations again (kb.ablation_store). Stamps are compared for equality,
+    never ordered, so writers' clocks need not agree."""
     stamp = {Run: cast(Run.ingested_at, String), Note: cast(Note.ingested_at, String),
              Ablation: cast(Ablation.ingested_at, String)}
     out: dict[str, str] = {}
