@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import shutil
+import tempfile
 from array import array
 from dataclasses import dataclass
 from functools import lru_cache
@@ -282,15 +283,32 @@ class SparseIndex:
     @classmethod
     def _load(cls, folder: Path, saved: dict) -> "SparseIndex":
         weights = sp.load_npz(folder / "weights.npz").tocsc() if saved["keys"] else None
+        # another process may have swapped the folder between the two reads
+        if weights is not None and weights.shape != (len(saved["keys"]), len(saved["vocab"])):
+            raise ValueError("weights do not match the keys")
         return cls(weights, _vocabulary(saved), saved["keys"],
                    np.array(saved["kinds"], dtype=object), np.array(saved["projects"], dtype=object),
                    saved["signature"])
 
     def save(self, folder: Path) -> None:
-        # written beside, then swapped in, so a reader never sees half an index
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        # written beside, then swapped in, so a reader never sees half an index; beside under a
+        # name of its own, as replicas of `kb serve` sharing a home save at the same time (one
+        # shared name let one's files land in the other's folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+        try:
+            self._write(tmp)
+            old = Path(tempfile.mkdtemp(prefix=folder.name + ".old-", dir=folder.parent))
+            try:
+                if folder.exists():
+                    folder.rename(old / "index")
+                tmp.rename(folder)          # fails if another save swapped its own in meanwhile: that one stays
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write(self, tmp: Path) -> None:
         if self.weights is not None:
             sp.save_npz(tmp / "weights.npz", self.weights, compressed=False)
         if self.rows is not None and self.keys:
@@ -300,12 +318,6 @@ class SparseIndex:
         (tmp / "chunks.json").write_text(json.dumps({
             "signature": self.signature, "format": FORMAT, "keys": self.keys, "vocab": list(self.vocab),
             "kinds": self.kinds.tolist(), "projects": self.projects.tolist()}))
-        old = folder.with_name(folder.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if folder.exists():
-            folder.rename(old)
-        tmp.rename(folder)
-        shutil.rmtree(old, ignore_errors=True)
 
     def scores(self, query: list[str]) -> np.ndarray:
         """Each chunk's BM25 score for the query's tokens (a repeated token counts each time)."""

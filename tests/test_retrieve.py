@@ -176,3 +176,51 @@ def test_a_rebuild_reads_only_the_records_written_since_and_equals_a_fresh_build
     assert fourth.read == len(fourth.keys) and fourth.tokenized <= 3
     kb.ingest_records([{"id": "zz-last", "project": "q", "metrics": {"val/loss": [[10, 3.0]]}}], index=False)
     assert sparse.SparseIndex.open(kb.engine, folder).read == 1        # the stamps are saved again
+
+
+@pytest.mark.slow
+def test_saves_racing_into_one_folder_leave_a_whole_index_and_a_torn_read_is_rebuilt(kb, tmp_path):
+    """Replicas of `kb serve` sharing a home save the keyword index at the same time: each writes
+    under a name of its own and swaps it in whole (a shared temporary name let one's files land in
+    the other's folder); a reader whose two reads straddle a swap rebuilds instead of pairing one
+    index's keys with another's weights."""
+    import json
+    import threading
+
+    import numpy as np
+    import scipy.sparse as sp
+
+    from agents.corpus import all_chunks
+    from agents.sparse import SparseIndex, signature
+    kb.ingest(str(HISTORY / "runs.jsonl"), index=False)
+    chunks = list(all_chunks(kb.engine))
+    sig = signature(kb.engine)
+    big, small = SparseIndex.build(chunks, sig), SparseIndex.build(chunks[: len(chunks) // 2], sig)
+    folder = tmp_path / "race" / "bm25"
+    errors: list[BaseException] = []
+
+    def saver(index):
+        for _ in range(15):
+            try:
+                index.save(folder)
+            except OSError:          # lost the swap to the other: its index stays
+                pass
+            except BaseException as e:    # noqa: BLE001 - any other escape fails the test
+                errors.append(e)
+
+    threads = [threading.Thread(target=saver, args=(i,)) for i in (big, small)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [p.name for p in folder.parent.iterdir()] == ["bm25"]            # nothing left beside it
+    saved = json.loads((folder / "chunks.json").read_text())
+    weights = sp.load_npz(folder / "weights.npz")
+    with np.load(folder / "tokens.npz") as t:
+        assert weights.shape[0] == len(saved["keys"]) == len(t["lengths"]) and weights.shape[1] == len(saved["vocab"])
+    # a torn read: the other index's weights under these keys
+    big.save(folder)
+    sp.save_npz(folder / "weights.npz", small.weights, compressed=False)
+    index = SparseIndex.open(kb.engine, folder)
+    assert index.weights.shape == (len(index.keys), len(index.vocab)) and len(index.keys) == len(chunks)
