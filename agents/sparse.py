@@ -346,10 +346,13 @@ class SparseIndex:
             allowed[[self._position[k] for k in keys if k in self._position]] = 1
             mask *= allowed
         scores = self.scores(query) * mask
-        n = min(limit, int((scores > 0).sum()))
+        positive = scores[scores > 0]
+        n = min(limit, len(positive))
         if n == 0:
             return []
-        cut = np.partition(scores, len(scores) - n)[len(scores) - n]      # the n-th best score
+        # the n-th best score, among the positive ones only: a partition of every chunk's score,
+        # mostly equal zeros, was the slowest step of a search (tens of ms at 100,000 runs)
+        cut = -np.partition(-positive, n - 1)[n - 1]
         above = np.flatnonzero(scores > cut).tolist()
         # ties go by key, not by position: a rebuild that kept some rows and appended others
         # answers as a build from scratch does
